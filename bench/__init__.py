@@ -1,0 +1,12 @@
+"""`dist-glm5 bench` (installed as dist_glm5.bench): benchmarks that print ratios measured side by side."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(p: argparse.ArgumentParser) -> None:
+    from . import generate_vs_hf
+
+    sub = p.add_subparsers(dest="bench_command", required=True)
+    generate_vs_hf.register(sub.add_parser("generate", help="generate() against transformers, prefill and decode tok/s"))

@@ -1,0 +1,30 @@
+"""One decoder block: pre-norm MLA (+ DSA) and a dense MLP or MoE, each with a residual."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .kv_cache import ForwardBatch, PagedKVCache
+from .mla import MLA
+from .moe import MLP, MoE
+from .norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLA(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, cos: torch.Tensor,
+                sin: torch.Tensor, prev_keep: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # x: [T, H] residual stream
+        a, keep = self.self_attn(self.input_layernorm(x), batch, cache, cos, sin, prev_keep)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, keep

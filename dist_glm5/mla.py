@@ -1,0 +1,109 @@
+"""Multi-head latent attention with DSA sparse selection, over the paged cache.
+
+Two forms of the same math, one reference each:
+- `mla_expanded` (prefill): expand the cached latent into per-head keys and values with kv_b_proj.
+- `mla_absorbed` (decode): fold kv_b_proj's key half into the query and its value half into the
+  output, so attention runs directly over the compressed latent cache (what serving kernels do).
+The cache row per token is [kv_a_layernorm(latent) | roped k_rot].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .indexer import Indexer, index_scores, select_topk_reference
+from .kv_cache import ForwardBatch, PagedKVCache
+from .norm import RMSNorm
+from .rope import apply_rope
+
+# A chunk with at most this many queries uses the absorbed (decode) form.
+ABSORBED_MAX_QUERIES = 8
+
+
+def mla_expanded(q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+                 w_kv_b: torch.Tensor, keep: torch.Tensor, scale: float, nope: int) -> torch.Tensor:
+    # q_nope: [n, h, nope], q_rot: [n, h, r], latent: [L, c], k_rot: [L, r],
+    # w_kv_b: [h*(nope+v), c], keep: [n, L] bool -> out [n, h, v]
+    n, h, _ = q_nope.shape
+    kv = F.linear(latent, w_kv_b).view(latent.shape[0], h, -1)  # [L, h, nope+v]
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    s = torch.einsum("nhd,lhd->hnl", q_nope, k_nope) + torch.einsum("nhr,lr->hnl", q_rot, k_rot)
+    s = (s * scale).masked_fill(~keep[None], float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.einsum("hnl,lhv->nhv", p, v)
+
+
+def mla_absorbed(q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+                 w_kv_b: torch.Tensor, keep: torch.Tensor, scale: float, nope: int) -> torch.Tensor:
+    # Same signature and result as mla_expanded; cost O(L * c) per head instead of O(L * h * (nope+v)).
+    n, h, _ = q_nope.shape
+    c = latent.shape[1]
+    w = w_kv_b.view(h, -1, c)  # [h, nope+v, c]
+    w_uk, w_uv = w[:, :nope], w[:, nope:]  # [h, nope, c], [h, v, c]
+    q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
+    s = torch.einsum("nhc,lc->hnl", q_lat, latent) + torch.einsum("nhr,lr->hnl", q_rot, k_rot)
+    s = (s * scale).masked_fill(~keep[None], float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(latent.dtype)
+    o_lat = torch.einsum("hnl,lc->nhc", p, latent)
+    return torch.einsum("nhc,hvc->nhv", o_lat, w_uv)
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads = cfg.num_attention_heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        self.scale = cfg.softmax_scale
+        self.interleave = cfg.rope_interleave
+        self.topk = cfg.index_topk
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_cache_dim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=1e-6)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.indexer = Indexer(cfg) if cfg.has_indexer(layer) else None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache,
+                cos: torch.Tensor, sin: torch.Tensor, prev_keep: list[torch.Tensor] | None
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """x: [T, H] -> out [T, H], and the per-chunk key selection [n_i, L_i] for shared layers."""
+        T = x.shape[0]
+        h = self.q_b_proj.out_features // (self.nope + self.rope)  # local heads (fewer under TP)
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(T, h, self.nope + self.rope)
+        q_nope, q_rot = q[..., :self.nope], apply_rope(q[..., self.nope:], cos, sin, self.interleave)
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(ckv[:, :self.kv_lora])
+        k_rot = apply_rope(ckv[:, None, self.kv_lora:], cos, sin, self.interleave)[:, 0]
+        kv_store = cache.kv[self.layer]
+        kv_store[batch.write_slots] = torch.cat([latent, k_rot], dim=-1).to(kv_store.dtype)
+
+        if self.indexer is not None:
+            iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
+            idx_store = cache.index_k[self.layer]
+            idx_store[batch.write_slots] = ik.to(idx_store.dtype)
+        elif prev_keep is None:
+            raise ValueError(f"layer {self.layer} is a 'shared' DSA layer but no previous full layer's selection was passed")
+
+        out = torch.empty(T, h, self.v_dim, dtype=x.dtype)
+        keeps = []
+        for i, (a, b) in enumerate(batch.spans):
+            rows = kv_store[batch.read_slots[i]].to(x.dtype)  # [L, c + r]
+            if self.indexer is not None:
+                keys = idx_store[batch.read_slots[i]]
+                scores = index_scores(iq[a:b], iw[a:b], keys, self.indexer.head_dim)
+                keep = select_topk_reference(scores, batch.positions[a:b], self.topk)
+            else:
+                keep = prev_keep[i]
+            keeps.append(keep)
+            attn = mla_absorbed if b - a <= ABSORBED_MAX_QUERIES else mla_expanded
+            out[a:b] = attn(q_nope[a:b], q_rot[a:b], rows[:, :self.kv_lora], rows[:, self.kv_lora:],
+                            self.kv_b_proj.weight, keep, self.scale, self.nope)
+        return self.o_proj(out.reshape(T, h * self.v_dim)), keeps

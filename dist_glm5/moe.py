@@ -1,0 +1,84 @@
+"""Dense MLP, routed experts and the MoE block (routed experts + shared expert).
+
+Routed experts are held fused in the serving layout: w13 [E_local, 2I, H] with each expert's rows
+[gate; up] concatenated (not interleaved), and w2 [E_local, H, I]. Under expert parallelism a rank
+holds experts first_expert .. first_expert+E_local-1 and contributes only their outputs (the
+caller sums over ranks). `experts_reference` is the plain loop every fast kernel is checked against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .router import Router
+
+
+def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    # x: [n, H], w13: [2I, H] ([gate; up]), w2: [H, I] -> [n, H]
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert_weights,
+                      first_expert: int, num_local: int) -> torch.Tensor:
+    """x: [T, H], weights/ids: [T, k] -> [T, H], the sum over this rank's experts only.
+
+    expert_weights(e_local) -> (w13 [2I, H], w2 [H, I]) in x's dtype (decoded if quantised).
+    """
+    out = torch.zeros_like(x)
+    local = ids.long() - first_expert
+    hit = (local >= 0) & (local < num_local)
+    for e in torch.unique(local[hit]).tolist():  # ascending id order, as the reference model
+        tok, slot = torch.where(local == e)
+        w13, w2 = expert_weights(e)
+        y = swiglu(x[tok], w13, w2) * weights[tok, slot, None].to(x.dtype)
+        out.index_add_(0, tok, y)
+    return out
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """Float routed experts in the fused serving layout."""
+
+    def __init__(self, cfg: ModelConfig, first_expert: int = 0, num_local: int | None = None):
+        super().__init__()
+        self.first_expert = first_expert
+        self.num_local = cfg.n_routed_experts if num_local is None else num_local
+        I, H = cfg.moe_intermediate_size, cfg.hidden_size
+        self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * I, H), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(self.num_local, H, I), requires_grad=False)
+
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w13_weight[e], self.w2_weight[e]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return experts_reference(x, weights, ids, self.expert_weights, self.first_expert, self.num_local)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) \
+            if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, ids = self.gate(x)
+        y = self.experts(x, w, ids)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y

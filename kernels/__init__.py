@@ -1,0 +1,1 @@
+"""dist_glm5.kernels"""
