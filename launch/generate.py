@@ -40,6 +40,7 @@ def parse_ids(spec: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dist_glm5.config import ModelConfig
     from dist_glm5.default_model import ensure_default_model
     from dist_glm5.generate import generate
     from dist_glm5.loader import load_model
@@ -49,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else ensure_default_model()
+    ModelConfig.from_hf(model_dir)  # fail first on a directory that is not a checkpoint
     tok = load_tokenizer(model_dir)
     if args.prompt is not None:
         if tok is None:
