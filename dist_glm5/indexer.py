@@ -46,21 +46,21 @@ class Indexer(nn.Module):
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, head_dim: int) -> torch.Tensor:
-    # q: [n, Hi, D], w: [n, Hi] fp32, keys: [L, D] -> scores [n, L] fp32
-    s = torch.relu(torch.matmul(q.float(), keys.float().t()) * head_dim**-0.5)  # [n, Hi, L]
+    # q: [B, n, Hi, D], w: [B, n, Hi] fp32, keys: [B, L, D] -> scores [B, n, L] fp32
+    s = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)[:, None]) * head_dim**-0.5)  # [B, n, Hi, L]
     return torch.matmul(w.unsqueeze(-2), s).squeeze(-2)
 
 
 def select_topk_reference(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> torch.Tensor:
-    """Boolean keep-mask [n, L]: each query's top-min(topk, valid) causal keys.
+    """Boolean keep-mask [..., L]: each query's top-min(topk, valid) causal keys.
 
-    scores: [n, L] fp32 over key positions 0..L-1; q_pos: [n] absolute query positions.
+    scores: [..., L] fp32 over key positions 0..L-1; q_pos: [...] absolute query positions.
     """
-    n, L = scores.shape
-    causal = torch.arange(L)[None, :] <= q_pos[:, None]  # [n, L]
+    L = scores.shape[-1]
+    causal = torch.arange(L) <= q_pos[..., None]  # [..., L]
     if topk >= L:
         return causal
     s = scores.masked_fill(~causal, float("-inf"))
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :topk]  # ties -> earlier key
-    keep = torch.zeros(n, L, dtype=torch.bool).scatter_(1, order, True)
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :topk]  # ties -> earlier key
+    keep = torch.zeros_like(causal).scatter_(-1, order, True)
     return keep & causal

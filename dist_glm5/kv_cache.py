@@ -62,6 +62,26 @@ class Chunk:
         return self.start + self.length
 
 
+# Chunks with at most this many new tokens (decode, MTP verification) are attended together,
+# padded to one [B, n, L] batch; longer chunks (prefill) are attended one at a time.
+SMALL_CHUNK = 8
+
+
+@dataclass
+class AttnGroup:
+    """Chunks attended together, padded: B chunks, n query rows, L key rows each.
+
+    Pad query rows repeat the chunk's first token (their output is dropped); pad key rows repeat
+    its first slot and sit after every real query position, so the causal mask removes them and
+    no row is ever fully masked (no 0/0).
+    """
+    chunk_ids: list[int]
+    tok: torch.Tensor  # [B, n] index into the forward's T tokens
+    valid: torch.Tensor  # [B, n] real query rows
+    q_pos: torch.Tensor  # [B, n] absolute query positions
+    slots: torch.Tensor  # [B, L] cache slots of key positions 0..L-1
+
+
 @dataclass
 class ForwardBatch:
     """Per-forward metadata shared by every layer of a stage."""
@@ -70,6 +90,7 @@ class ForwardBatch:
     write_slots: torch.Tensor  # [T] slots the new tokens are written to
     read_slots: list[torch.Tensor]  # per chunk [end] slots of positions 0..end-1
     spans: list[tuple[int, int]] = field(default_factory=list)  # per chunk token range in [T]
+    groups: list[AttnGroup] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -104,8 +125,34 @@ class PagedKVCache:
             t += c.length
         for c in chunks:  # a rejected draft rolls back simply by starting the next chunk earlier
             self.lengths[c.seq_id] = c.end
-        return ForwardBatch(chunks, torch.cat(pos), torch.cat(write), read, spans)
+        return ForwardBatch(chunks, torch.cat(pos), torch.cat(write), read, spans, make_groups(chunks, read, spans))
 
     def release(self, seq_id: int) -> None:
         self.alloc.release(seq_id)
         self.lengths.pop(seq_id, None)
+
+
+def make_groups(chunks: list[Chunk], read: list[torch.Tensor], spans: list[tuple[int, int]]) -> list[AttnGroup]:
+    small = [i for i, c in enumerate(chunks) if c.length <= SMALL_CHUNK]
+    groups = [[i] for i, c in enumerate(chunks) if c.length > SMALL_CHUNK]
+    if small:
+        groups.append(small)
+    out = []
+    for ids in groups:
+        n = max(chunks[i].length for i in ids)
+        L = max(chunks[i].end for i in ids)
+        tok = torch.empty(len(ids), n, dtype=torch.int64)
+        q_pos = torch.empty(len(ids), n, dtype=torch.int64)
+        slots = torch.empty(len(ids), L, dtype=torch.int64)
+        valid = torch.zeros(len(ids), n, dtype=torch.bool)
+        for r, i in enumerate(ids):
+            c, (a, b), rs = chunks[i], spans[i], read[i]
+            tok[r] = a
+            tok[r, :c.length] = torch.arange(a, b)
+            q_pos[r] = c.start
+            q_pos[r, :c.length] = torch.arange(c.start, c.end)
+            valid[r, :c.length] = True
+            slots[r] = rs[0]
+            slots[r, :c.end] = rs
+        out.append(AttnGroup(ids, tok, valid, q_pos, slots))
+    return out

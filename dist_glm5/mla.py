@@ -15,40 +15,36 @@ from torch import nn
 
 from .config import ModelConfig
 from .indexer import Indexer, index_scores, select_topk_reference
-from .kv_cache import ForwardBatch, PagedKVCache
+from .kv_cache import SMALL_CHUNK, ForwardBatch, PagedKVCache
 from .norm import RMSNorm
 from .rope import apply_rope
 
-# A chunk with at most this many queries uses the absorbed (decode) form.
-ABSORBED_MAX_QUERIES = 8
-
-
 def mla_expanded(q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
                  w_kv_b: torch.Tensor, keep: torch.Tensor, scale: float, nope: int) -> torch.Tensor:
-    # q_nope: [n, h, nope], q_rot: [n, h, r], latent: [L, c], k_rot: [L, r],
-    # w_kv_b: [h*(nope+v), c], keep: [n, L] bool -> out [n, h, v]
-    n, h, _ = q_nope.shape
-    kv = F.linear(latent, w_kv_b).view(latent.shape[0], h, -1)  # [L, h, nope+v]
+    # q_nope: [B, n, h, nope], q_rot: [B, n, h, r], latent: [B, L, c], k_rot: [B, L, r],
+    # w_kv_b: [h*(nope+v), c], keep: [B, n, L] bool -> out [B, n, h, v]
+    B, n, h, _ = q_nope.shape
+    kv = F.linear(latent, w_kv_b).view(B, latent.shape[1], h, -1)  # [B, L, h, nope+v]
     k_nope, v = kv[..., :nope], kv[..., nope:]
-    s = torch.einsum("nhd,lhd->hnl", q_nope, k_nope) + torch.einsum("nhr,lr->hnl", q_rot, k_rot)
-    s = (s * scale).masked_fill(~keep[None], float("-inf"))
+    s = torch.einsum("bnhd,blhd->bhnl", q_nope, k_nope) + torch.einsum("bnhr,blr->bhnl", q_rot, k_rot)
+    s = (s * scale).masked_fill(~keep[:, None], float("-inf"))
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
-    return torch.einsum("hnl,lhv->nhv", p, v)
+    return torch.einsum("bhnl,blhv->bnhv", p, v)
 
 
 def mla_absorbed(q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
                  w_kv_b: torch.Tensor, keep: torch.Tensor, scale: float, nope: int) -> torch.Tensor:
     # Same signature and result as mla_expanded; cost O(L * c) per head instead of O(L * h * (nope+v)).
-    n, h, _ = q_nope.shape
-    c = latent.shape[1]
+    B, n, h, _ = q_nope.shape
+    c = latent.shape[-1]
     w = w_kv_b.view(h, -1, c)  # [h, nope+v, c]
     w_uk, w_uv = w[:, :nope], w[:, nope:]  # [h, nope, c], [h, v, c]
-    q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
-    s = torch.einsum("nhc,lc->hnl", q_lat, latent) + torch.einsum("nhr,lr->hnl", q_rot, k_rot)
-    s = (s * scale).masked_fill(~keep[None], float("-inf"))
+    q_lat = torch.einsum("bnhd,hdc->bnhc", q_nope, w_uk)
+    s = torch.einsum("bnhc,blc->bhnl", q_lat, latent) + torch.einsum("bnhr,blr->bhnl", q_rot, k_rot)
+    s = (s * scale).masked_fill(~keep[:, None], float("-inf"))
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(latent.dtype)
-    o_lat = torch.einsum("hnl,lc->nhc", p, latent)
-    return torch.einsum("nhc,hvc->nhv", o_lat, w_uv)
+    o_lat = torch.einsum("bhnl,blc->bnhc", p, latent)
+    return torch.einsum("bnhc,hvc->bnhv", o_lat, w_uv)
 
 
 class MLA(nn.Module):
@@ -73,7 +69,7 @@ class MLA(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache,
                 cos: torch.Tensor, sin: torch.Tensor, prev_keep: list[torch.Tensor] | None
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """x: [T, H] -> out [T, H], and the per-chunk key selection [n_i, L_i] for shared layers."""
+        """x: [T, H] -> out [T, H], and the key selection per attention group [B, n, L] for shared layers."""
         T = x.shape[0]
         h = self.q_b_proj.out_features // (self.nope + self.rope)  # local heads (fewer under TP)
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
@@ -94,16 +90,17 @@ class MLA(nn.Module):
 
         out = torch.empty(T, h, self.v_dim, dtype=x.dtype)
         keeps = []
-        for i, (a, b) in enumerate(batch.spans):
-            rows = kv_store[batch.read_slots[i]].to(x.dtype)  # [L, c + r]
+        for gi, g in enumerate(batch.groups):
+            rows = kv_store[g.slots].to(x.dtype)  # [B, L, c + r]
             if self.indexer is not None:
-                keys = idx_store[batch.read_slots[i]]
-                scores = index_scores(iq[a:b], iw[a:b], keys, self.indexer.head_dim)
-                keep = select_topk_reference(scores, batch.positions[a:b], self.topk)
+                scores = index_scores(iq[g.tok], iw[g.tok], idx_store[g.slots], self.indexer.head_dim)
+                keep = select_topk_reference(scores, g.q_pos, self.topk)  # [B, n, L]
             else:
-                keep = prev_keep[i]
+                keep = prev_keep[gi]
             keeps.append(keep)
-            attn = mla_absorbed if b - a <= ABSORBED_MAX_QUERIES else mla_expanded
-            out[a:b] = attn(q_nope[a:b], q_rot[a:b], rows[:, :self.kv_lora], rows[:, self.kv_lora:],
-                            self.kv_b_proj.weight, keep, self.scale, self.nope)
+            # decode-sized groups attend over the compressed latent; prefill expands it per head
+            attn = mla_absorbed if g.tok.shape[1] <= SMALL_CHUNK else mla_expanded
+            o = attn(q_nope[g.tok], q_rot[g.tok], rows[..., :self.kv_lora], rows[..., self.kv_lora:],
+                     self.kv_b_proj.weight, keep, self.scale, self.nope)
+            out[g.tok[g.valid]] = o[g.valid]
         return self.o_proj(out.reshape(T, h * self.v_dim)), keeps
