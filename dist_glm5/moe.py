@@ -39,27 +39,6 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return out
 
 
-def experts_gathered(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                     first_expert: int) -> torch.Tensor:
-    """Same result as experts_reference, for decode-sized batches: every (token, slot) at once.
-
-    Gathers each token's k expert matrices ([T, k, 2I, H]) instead of looping over experts, so it
-    is only used while T * k is small.
-    """
-    E = w13.shape[0]
-    local = ids.long() - first_expert  # [T, k]
-    hit = (local >= 0) & (local < E)
-    sel = local.clamp(0, E - 1)
-    h = torch.einsum("th,tkoh->tko", x, w13[sel])  # [T, k, 2I]
-    gate, up = h.chunk(2, dim=-1)
-    y = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, w2[sel])  # [T, k, H]
-    return (y * (weights * hit).to(x.dtype)[..., None]).sum(1)
-
-
-# Up to this many (token, expert) pairs the gathered form is used.
-GATHERED_MAX_PAIRS = 64
-
-
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
@@ -86,8 +65,6 @@ class Experts(nn.Module):
         return self.w13_weight[e], self.w2_weight[e]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if ids.numel() <= GATHERED_MAX_PAIRS:
-            return experts_gathered(x, weights, ids, self.w13_weight, self.w2_weight, self.first_expert)
         return experts_reference(x, weights, ids, self.expert_weights, self.first_expert, self.num_local)
 
 
