@@ -20,7 +20,6 @@ from torch import nn
 
 from .config import ModelConfig
 from .model import Glm5Model
-from .rope import RopeTable
 from .safetensors_io import Checkpoint, CheckpointError
 
 log = logging.getLogger(__name__)
@@ -152,14 +151,25 @@ def _show(names: list[str], limit: int = 12) -> str:
     return ", ".join(names[:limit]) + more
 
 
+class _skip_init:
+    """Build modules without random-initialising weights the checkpoint overwrites anyway."""
+
+    def __enter__(self):
+        self._saved = [(nn.Linear, nn.Linear.reset_parameters), (nn.Embedding, nn.Embedding.reset_parameters)]
+        for cls, _ in self._saved:
+            cls.reset_parameters = lambda self: None
+
+    def __exit__(self, *exc):
+        for cls, fn in self._saved:
+            cls.reset_parameters = fn
+
+
 def load_model(directory: str | Path, dtype: torch.dtype | None = None, **stage) -> Glm5Model:
     """Config + weights from a checkpoint directory. dtype: compute dtype (default: the config's)."""
     cfg = ModelConfig.from_hf(directory)
     dtype = dtype or _dtype_of(cfg)
-    with torch.device("meta"):
-        model = Glm5Model(cfg, **stage)
-    model = model.to_empty(device="cpu").to(dtype)
-    model.rope = RopeTable(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)  # host tables, not meta
+    with _skip_init():
+        model = Glm5Model(cfg, **stage).to(dtype)
     for mname, mod in model.named_modules():  # the router computes in fp32 whatever the model dtype
         if mname.endswith("mlp.gate"):
             mod.float()
