@@ -1,1 +1,12 @@
-"""dist_glm5.convert"""
+"""`dist-glm5 convert ...` (installed as dist_glm5.convert): checkpoint converters."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(p: argparse.ArgumentParser) -> None:
+    from . import glm53
+
+    sub = p.add_subparsers(dest="convert_command", required=True)
+    glm53.register(sub.add_parser("glm53", help="GLM-5.3 BF16 release -> MXFP4 serving checkpoint (experts encoded)"))

@@ -8,12 +8,13 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dist_glm5 import bench, launch
+    from dist_glm5 import bench, convert, launch
 
     p = argparse.ArgumentParser(prog="dist-glm5", description="Serve GLM-5 family models (CPU reference runtime).")
     p.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING)")
     sub = p.add_subparsers(dest="command", required=True)
     launch.register(sub.add_parser("launch", help="run the model: generate, ..."))
+    convert.register(sub.add_parser("convert", help="checkpoint converters: glm53, ..."))
     bench.register(sub.add_parser("bench", help="benchmarks, printed as ratios measured side by side"))
     return p
 

@@ -18,6 +18,8 @@ MODEL_TYPE = "glm_moe_dsa"
 ROPE_TYPES = ("default", "linear", "yarn")
 INDEXER_TYPES = ("full", "shared")
 MLP_LAYER_TYPES = ("dense", "sparse")
+# quantization_config.quant_method of checkpoints our converters write (routed experts in fused MXFP4)
+SERVING_QUANT_METHOD = "dist_glm5"
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,14 @@ class ModelConfig:
             m = _yarn_mscale(r.factor or 1.0, r.mscale_all_dim)
             scale *= m * m
         return scale
+
+    @property
+    def experts_format(self) -> str:
+        """'mxfp4' when routed experts are stored in our fused MXFP4 serving layout, else 'float'."""
+        q = self.quantization_config or {}
+        if q.get("quant_method") == SERVING_QUANT_METHOD:
+            return q.get("format", "mxfp4")
+        return "float"
 
     @property
     def num_mtp_layers(self) -> int:
@@ -184,6 +194,13 @@ class ModelConfig:
             raise bad("rope_parameters.factor", r.factor, "linear rope needs a factor > 0")
         if r.type == "yarn" and r.factor is None and r.original_max_position_embeddings is None:
             raise bad("rope_parameters.factor", r.factor, "yarn rope needs factor or original_max_position_embeddings")
+        q = self.quantization_config
+        if q is not None and not isinstance(q, dict):
+            raise bad("quantization_config", q, "must be a JSON object")
+        if q and q.get("quant_method") == SERVING_QUANT_METHOD and q.get("format", "mxfp4") != "mxfp4":
+            raise bad("quantization_config.format", q.get("format"), "only 'mxfp4' is served")
+        if q and q.get("quant_method") not in (None, SERVING_QUANT_METHOD):
+            pass  # e.g. Quark's or the FP8 release's: readable for planning; the loader says what it can serve
         for tid in self.eos_token_id:
             if not 0 <= tid < self.vocab_size:
                 raise bad("eos_token_id", list(self.eos_token_id), f"ids must be in 0..vocab_size-1={self.vocab_size - 1}")

@@ -3,8 +3,10 @@
 Every tensor the model needs must be present with the right shape and dtype, and every tensor in
 the files must be used (or belong to layers another pipeline stage owns). Anything else is a
 CheckpointError listing the names; weights are never zero-filled and nothing is skipped silently.
-Routed experts are read from per-expert HF names (`mlp.experts.E.{gate,up,down}_proj.weight`) or
-from the fused serving names (`mlp.experts.w13_weight` / `w2_weight`) and stored fused.
+Routed experts are read from per-expert HF names (`mlp.experts.E.{gate,up,down}_proj.weight`,
+float) or, in a serving checkpoint, from the fused MXFP4 names
+`mlp.experts.routed_experts.{w13_weight,w13_weight_scale,w2_weight,w2_weight_scale}` (uint8,
+experts stacked; an expert-parallel rank takes its rows).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .model import Glm5Model
+from .moe import MXFP4Experts
 from .safetensors_io import Checkpoint, CheckpointError
 
 log = logging.getLogger(__name__)
@@ -28,12 +31,13 @@ log = logging.getLogger(__name__)
 _FP32_OK = re.compile(r"(mlp\.gate\.weight|mlp\.gate\.e_score_correction_bias|indexer\.weights_proj\.weight|"
                       r"indexer\.k_norm\.(weight|bias))$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+MXFP4_EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 
 
 @dataclass
 class _Source:
-    ckpt_name: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # expected shape in the checkpoint
+    dtypes: tuple[torch.dtype, ...]  # allowed checkpoint dtypes
     assign: Callable[[torch.Tensor], None]
 
 
@@ -45,55 +49,52 @@ def _dtype_of(cfg: ModelConfig) -> torch.dtype:
         raise ValueError(f"config dtype {cfg.torch_dtype!r} is not one of float32, bfloat16, float16") from None
 
 
-def _copy_into(dst: torch.Tensor, index=None):
+def _copy_into(dst: torch.Tensor, index=None, rows: slice | None = None):
     def assign(src: torch.Tensor) -> None:
         target = dst if index is None else dst[index]
-        target.copy_(src.to(dst.dtype))
+        target.copy_((src if rows is None else src[rows]).to(dst.dtype))
     return assign
 
 
 def _expected(model: Glm5Model, ckpt: Checkpoint) -> dict[str, _Source]:
-    """Map every checkpoint name the model needs to where its values go."""
+    """Map every checkpoint name the model needs to its shape, allowed dtypes and destination."""
     cfg = model.cfg
+    wdt = _dtype_of(cfg)
     out: dict[str, _Source] = {}
-    for name, p in model.named_parameters():
-        if name.endswith("mlp.experts.w13_weight") or name.endswith("mlp.experts.w2_weight"):
+    experts = {m: mod for m, mod in model.named_modules() if m.endswith("mlp.experts")}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name.rsplit(".", 1)[0] in experts:
             continue
-        out[name] = _Source(name, tuple(p.shape), _copy_into(p.data))
-    for mname, mod in model.named_modules():
-        if not mname.endswith("mlp.experts"):
+        ok = (wdt, torch.float32) if _FP32_OK.search(name) else (wdt,)
+        out[name] = _Source(tuple(t.shape), ok, _copy_into(t.data))
+    I, H = cfg.moe_intermediate_size, cfg.hidden_size
+    for mname, mod in experts.items():
+        if isinstance(mod, MXFP4Experts):
+            rows = slice(mod.first_expert, mod.first_expert + mod.num_local)
+            for t in MXFP4_EXPERT_TENSORS:
+                buf = getattr(mod, t)
+                out[f"{mname}.routed_experts.{t}"] = _Source((cfg.n_routed_experts, *buf.shape[1:]), (torch.uint8,),
+                                                             _copy_into(buf, rows=rows))
             continue
         w13, w2 = mod.w13_weight.data, mod.w2_weight.data
-        I = cfg.moe_intermediate_size
-        fused = f"{mname}.w13_weight"
-        if fused in ckpt and mod.first_expert == 0 and mod.num_local == cfg.n_routed_experts:
-            out[fused] = _Source(fused, tuple(w13.shape), _copy_into(w13))
-            out[f"{mname}.w2_weight"] = _Source(f"{mname}.w2_weight", tuple(w2.shape), _copy_into(w2))
-            continue
         for e in range(mod.num_local):
-            g = mod.first_expert + e
-            pre = f"{mname}.{g}"
-            out[f"{pre}.gate_proj.weight"] = _Source(f"{pre}.gate_proj.weight", (I, cfg.hidden_size),
-                                                     _copy_into(w13, (e, slice(0, I))))
-            out[f"{pre}.up_proj.weight"] = _Source(f"{pre}.up_proj.weight", (I, cfg.hidden_size),
-                                                   _copy_into(w13, (e, slice(I, 2 * I))))
-            out[f"{pre}.down_proj.weight"] = _Source(f"{pre}.down_proj.weight", (cfg.hidden_size, I),
-                                                     _copy_into(w2, e))
+            pre = f"{mname}.{mod.first_expert + e}"
+            out[f"{pre}.gate_proj.weight"] = _Source((I, H), (wdt,), _copy_into(w13, (e, slice(0, I))))
+            out[f"{pre}.up_proj.weight"] = _Source((I, H), (wdt,), _copy_into(w13, (e, slice(I, 2 * I))))
+            out[f"{pre}.down_proj.weight"] = _Source((H, I), (wdt,), _copy_into(w2, e))
     # Optional per-MTP-layer head and embedding: used when the checkpoint carries them.
     if model.has_mtp:
         for j in range(cfg.num_nextn_predict_layers):
             layer = model.mtp_layer(j)
             pre = f"model.layers.{cfg.num_hidden_layers + j}"
             if f"{pre}.shared_head.head.weight" in ckpt:
-                layer.shared_head.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).to(model.dtype)
-                layer.shared_head.head.weight.requires_grad_(False)
-                out[f"{pre}.shared_head.head.weight"] = _Source(f"{pre}.shared_head.head.weight",
-                    (cfg.vocab_size, cfg.hidden_size), _copy_into(layer.shared_head.head.weight.data))
+                layer.shared_head.head = nn.Linear(H, cfg.vocab_size, bias=False).to(model.dtype).requires_grad_(False)
+                out[f"{pre}.shared_head.head.weight"] = _Source((cfg.vocab_size, H), (wdt,),
+                                                                _copy_into(layer.shared_head.head.weight.data))
             if f"{pre}.embed_tokens.weight" in ckpt:
-                layer.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size).to(model.dtype)
-                layer.embed_tokens.weight.requires_grad_(False)
-                out[f"{pre}.embed_tokens.weight"] = _Source(f"{pre}.embed_tokens.weight",
-                    (cfg.vocab_size, cfg.hidden_size), _copy_into(layer.embed_tokens.weight.data))
+                layer.embed_tokens = nn.Embedding(cfg.vocab_size, H).to(model.dtype).requires_grad_(False)
+                out[f"{pre}.embed_tokens.weight"] = _Source((cfg.vocab_size, H), (wdt,),
+                                                            _copy_into(layer.embed_tokens.weight.data))
     return out
 
 
@@ -113,11 +114,15 @@ def _owned_elsewhere(model: Glm5Model, name: str) -> bool:
     return False
 
 
-def load_checkpoint(model: Glm5Model, directory: str | Path) -> dict[str, int]:
-    """Fill every weight of `model` from `directory`; return counts of what was loaded."""
-    ckpt = Checkpoint(directory)
-    cfg = model.cfg
-    want_dtype = _dtype_of(cfg)
+def check_checkpoint(model: Glm5Model, ckpt: Checkpoint, where: str | Path) -> dict[str, _Source]:
+    """Compare the checkpoint's headers with what `model` needs, in both directions; raise listing every problem."""
+    q = model.cfg.quantization_config or {}
+    if q.get("quant_method") == "quark":
+        raise CheckpointError(f"{where} is an AMD Quark checkpoint: repack it into the serving layout first with "
+                              f"`dist-glm5 convert glm52 --src {where} --dst DIR`")
+    if q and model.cfg.experts_format == "float":
+        raise CheckpointError(f"{where}: quantization_config {q.get('quant_method')!r} is not served; "
+                              "serve the BF16 release converted with `dist-glm5 convert glm53`")
     expected = _expected(model, ckpt)
     have = set(ckpt.names())
     missing = sorted(set(expected) - have)
@@ -133,17 +138,30 @@ def load_checkpoint(model: Glm5Model, directory: str | Path) -> dict[str, int]:
         src = expected[name]
         if info.shape != src.shape:
             problems.append(f"tensor {name} has shape {list(info.shape)}, expected {list(src.shape)}")
-        ok = info.dtype == want_dtype or (info.dtype == torch.float32 and _FP32_OK.search(name))
-        if not ok:
-            problems.append(f"tensor {name} has dtype {info.dtype}, expected {want_dtype} (config dtype {cfg.torch_dtype})")
+        if info.dtype not in src.dtypes:
+            want = " or ".join(str(d) for d in src.dtypes)
+            problems.append(f"tensor {name} has dtype {info.dtype}, expected {want} (config dtype {model.cfg.torch_dtype})")
     if problems:
-        raise CheckpointError(f"checkpoint {directory} does not match the config:\n  - " + "\n  - ".join(problems))
+        raise CheckpointError(f"checkpoint {where} does not match the config:\n  - " + "\n  - ".join(problems))
+    return expected
+
+
+def load_checkpoint(model: Glm5Model, directory: str | Path) -> dict[str, int]:
+    """Fill every weight of `model` from `directory`; return counts of what was loaded."""
+    ckpt = Checkpoint(directory)
+    expected = check_checkpoint(model, ckpt, directory)
     with torch.no_grad():
         for name, src in expected.items():
             src.assign(ckpt.get(name))
-    log.info("loaded %d tensors (%d skipped as owned by other stages) from %s",
-             len(expected), len(have) - len(expected), directory)
-    return {"loaded": len(expected), "other_stages": len(have) - len(expected)}
+    skipped = len(ckpt.names()) - len(expected)
+    log.info("loaded %d tensors (%d skipped as owned by other stages) from %s", len(expected), skipped, directory)
+    return {"loaded": len(expected), "other_stages": skipped}
+
+
+def meta_model(cfg: ModelConfig, **stage) -> Glm5Model:
+    """The model's structure without memory: enough to list the tensors a checkpoint must hold."""
+    with torch.device("meta"):
+        return Glm5Model(cfg, **stage)
 
 
 def _show(names: list[str], limit: int = 12) -> str:

@@ -68,11 +68,43 @@ class Experts(nn.Module):
         return experts_reference(x, weights, ids, self.expert_weights, self.first_expert, self.num_local)
 
 
+class MXFP4Experts(nn.Module):
+    """Routed experts in the packed MXFP4 serving layout (uint8 elements + E8M0 scales, blocks of 32
+    along the input dim), decoded per expert for the reference loop; fast kernels live in kernels/."""
+
+    def __init__(self, cfg: ModelConfig, first_expert: int = 0, num_local: int | None = None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.first_expert = first_expert
+        self.num_local = cfg.n_routed_experts if num_local is None else num_local
+        self.compute_dtype = dtype
+        I, H, E = cfg.moe_intermediate_size, cfg.hidden_size, self.num_local
+        for name, shape in (("w13_weight", (E, 2 * I, H // 2)), ("w13_weight_scale", (E, 2 * I, H // 32)),
+                            ("w2_weight", (E, H, I // 2)), ("w2_weight_scale", (E, H, I // 32))):
+            self.register_buffer(name, torch.zeros(shape, dtype=torch.uint8))
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) moves the compute dtype; the packed bytes stay uint8
+        probe = fn(torch.zeros(()))
+        if probe.is_floating_point():
+            self.compute_dtype = probe.dtype
+        return super()._apply(lambda t: t if t.dtype == torch.uint8 else fn(t), recurse)
+
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from .mxfp4 import decode
+
+        return (decode(self.w13_weight[e], self.w13_weight_scale[e], self.compute_dtype),
+                decode(self.w2_weight[e], self.w2_weight_scale[e], self.compute_dtype))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return experts_reference(x, weights, ids, self.expert_weights, self.first_expert, self.num_local)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = Experts(cfg)
+        self.experts = MXFP4Experts(cfg) if cfg.experts_format == "mxfp4" else Experts(cfg)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) \
             if cfg.n_shared_experts else None
 

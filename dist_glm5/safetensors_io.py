@@ -10,6 +10,7 @@ file under its final name.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -99,6 +100,18 @@ class SafeTensorsFile:
         t = torch.frombuffer(self._mm, dtype=torch.uint8, count=info.nbytes, offset=info.start)
         return t.view(info.dtype).reshape(info.shape)
 
+    def read(self, name: str) -> torch.Tensor:
+        """A private copy read with pread, not the mapping: streaming converters use this so that
+        resident memory stays flat however much of the checkpoint they pass through."""
+        info = self.tensors[name]
+        buf = bytearray(info.nbytes)
+        if info.nbytes:
+            got = os.preadv(self._fd.fileno(), [buf], info.start)
+            if got != info.nbytes:
+                raise CheckpointError(f"{self.path}: short read of tensor {name!r} ({got} of {info.nbytes} bytes)")
+            return torch.frombuffer(buf, dtype=torch.uint8).view(info.dtype).reshape(info.shape)
+        return torch.empty(info.shape, dtype=info.dtype)
+
     def close(self) -> None:
         # Tensors handed out keep the mmap alive through their buffer; just drop our references.
         self._fd.close()
@@ -152,6 +165,9 @@ class Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         return self.where[name].get(name)
 
+    def read(self, name: str) -> torch.Tensor:
+        return self.where[name].read(name)
+
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
@@ -193,10 +209,18 @@ def save_streaming(path: str | Path, tensors: Iterable[tuple[str, torch.Tensor]]
             it: Iterator = iter(tensors)
             for name, dtype, shape in plan:
                 got_name, t = next(it)
-                if got_name != name or t.dtype != dtype or tuple(t.shape) != shape:
-                    raise ValueError(f"save_streaming: expected {name} {dtype} {list(shape)}, got {got_name} {t.dtype} {list(t.shape)}")
-                if t.numel():
-                    f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                if got_name != name:
+                    raise ValueError(f"save_streaming: expected tensor {name}, got {got_name}")
+                want = dtype.itemsize * math.prod(shape)
+                wrote = 0
+                for part in ([t] if isinstance(t, torch.Tensor) else t):  # a tensor, or its parts in order
+                    if part.dtype != dtype:
+                        raise ValueError(f"save_streaming: {name} part has dtype {part.dtype}, expected {dtype}")
+                    if part.numel():
+                        f.write(memoryview(part.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                    wrote += part.numel() * part.element_size()
+                if wrote != want or (isinstance(t, torch.Tensor) and tuple(t.shape) != shape):
+                    raise ValueError(f"save_streaming: {name} got {wrote} bytes, expected {want} for shape {list(shape)}")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
