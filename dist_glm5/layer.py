@@ -13,13 +13,13 @@ from .norm import RMSNorm
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, experts: range | None = None):
         super().__init__()
         self.layer = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLA(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg, experts) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, cos: torch.Tensor,
                 sin: torch.Tensor, prev_keep: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:

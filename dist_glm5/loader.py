@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 _FP32_OK = re.compile(r"(mlp\.gate\.weight|mlp\.gate\.e_score_correction_bias|indexer\.weights_proj\.weight|"
                       r"indexer\.k_norm\.(weight|bias))$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_PER_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 MXFP4_EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 
 
@@ -39,6 +40,7 @@ class _Source:
     shape: tuple[int, ...]  # expected shape in the checkpoint
     dtypes: tuple[torch.dtype, ...]  # allowed checkpoint dtypes
     assign: Callable[[torch.Tensor], None]
+    rows: range | None = None  # stacked experts: the expert rows needed (the tensor may hold more)
 
 
 def _dtype_of(cfg: ModelConfig) -> torch.dtype:
@@ -70,11 +72,10 @@ def _expected(model: Glm5Model, ckpt: Checkpoint) -> dict[str, _Source]:
     I, H = cfg.moe_intermediate_size, cfg.hidden_size
     for mname, mod in experts.items():
         if isinstance(mod, MXFP4Experts):
-            rows = slice(mod.first_expert, mod.first_expert + mod.num_local)
             for t in MXFP4_EXPERT_TENSORS:
                 buf = getattr(mod, t)
-                out[f"{mname}.routed_experts.{t}"] = _Source((cfg.n_routed_experts, *buf.shape[1:]), (torch.uint8,),
-                                                             _copy_into(buf, rows=rows))
+                out[f"{mname}.routed_experts.{t}"] = _Source(tuple(buf.shape), (torch.uint8,), _copy_into(buf),
+                                                             rows=range(mod.first_expert, mod.first_expert + mod.num_local))
             continue
         w13, w2 = mod.w13_weight.data, mod.w2_weight.data
         for e in range(mod.num_local):
@@ -99,14 +100,19 @@ def _expected(model: Glm5Model, ckpt: Checkpoint) -> dict[str, _Source]:
 
 
 def _owned_elsewhere(model: Glm5Model, name: str) -> bool:
-    """True for tensors that belong to another pipeline stage (only when this model is a stage)."""
+    """True for tensors that belong to another pipeline stage or expert-parallel rank."""
     cfg = model.cfg
     m = _LAYER.match(name)
     if m:
         i = int(m.group(1))
         if i >= cfg.num_hidden_layers:
-            return not model.has_mtp and i < cfg.num_hidden_layers + cfg.num_nextn_predict_layers
-        return i not in model.layer_range
+            if not model.has_mtp and i < cfg.num_hidden_layers + cfg.num_nextn_predict_layers:
+                return True
+        elif i not in model.layer_range:
+            return True
+    m = _PER_EXPERT.search(name)
+    if m and int(m.group(1)) not in model.experts and int(m.group(1)) < cfg.n_routed_experts:
+        return True  # another expert-parallel rank's expert
     if name.startswith("model.embed_tokens."):
         return model.model.embed_tokens is None
     if name.startswith("model.norm.") or name.startswith("lm_head."):
@@ -136,7 +142,16 @@ def check_checkpoint(model: Glm5Model, ckpt: Checkpoint, where: str | Path) -> d
     for name in sorted(set(expected) & have):
         info = ckpt.info(name)
         src = expected[name]
-        if info.shape != src.shape:
+        if src.rows is not None:  # stacked experts: the checkpoint's rows must cover this rank's experts
+            off = ckpt.row_offset(name) if hasattr(ckpt, "row_offset") else 0
+            held = range(off, off + (info.shape[0] if info.shape else 0))
+            if info.shape[1:] != src.shape[1:] or src.rows.start not in held or src.rows.stop - 1 not in held:
+                problems.append(f"tensor {name} has shape {list(info.shape)} holding experts {held.start}..{held.stop - 1}, "
+                                f"expected [*, {', '.join(map(str, src.shape[1:]))}] covering experts "
+                                f"{src.rows.start}..{src.rows.stop - 1}")
+            else:
+                src.rows = range(src.rows.start - off, src.rows.stop - off)
+        elif info.shape != src.shape:
             problems.append(f"tensor {name} has shape {list(info.shape)}, expected {list(src.shape)}")
         if info.dtype not in src.dtypes:
             want = " or ".join(str(d) for d in src.dtypes)
@@ -152,7 +167,8 @@ def load_checkpoint(model: Glm5Model, directory: str | Path) -> dict[str, int]:
     expected = check_checkpoint(model, ckpt, directory)
     with torch.no_grad():
         for name, src in expected.items():
-            src.assign(ckpt.get(name))
+            t = ckpt.get(name)
+            src.assign(t if src.rows is None else t[src.rows.start:src.rows.stop])
     skipped = len(ckpt.names()) - len(expected)
     log.info("loaded %d tensors (%d skipped as owned by other stages) from %s", len(expected), skipped, directory)
     return {"loaded": len(expected), "other_stages": skipped}

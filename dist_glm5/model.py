@@ -19,20 +19,20 @@ from .rope import RopeTable
 
 
 class Trunk(nn.Module):
-    def __init__(self, cfg: ModelConfig, layers: range, embed: bool, head: bool, mtp: bool):
+    def __init__(self, cfg: ModelConfig, layers: range, embed: bool, head: bool, mtp: bool, experts: range | None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in layers})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, experts) for i in layers})
         if mtp:
             for j in range(cfg.num_nextn_predict_layers):
                 n = cfg.num_hidden_layers + j
-                self.layers[str(n)] = MTPLayer(cfg, n)
+                self.layers[str(n)] = MTPLayer(cfg, n, experts)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
 
 
 class Glm5Model(nn.Module):
     def __init__(self, cfg: ModelConfig, layers: range | None = None, embed: bool | None = None,
-                 head: bool | None = None, mtp: bool | None = None):
+                 head: bool | None = None, mtp: bool | None = None, experts: range | None = None):
         super().__init__()
         n = cfg.num_hidden_layers
         layers = range(n) if layers is None else layers
@@ -43,7 +43,10 @@ class Glm5Model(nn.Module):
         embed = layers.start == 0 if embed is None else embed
         head = layers.stop == n if head is None else head
         mtp = head and cfg.num_nextn_predict_layers > 0 if mtp is None else mtp
-        self.model = Trunk(cfg, layers, embed, head, mtp)
+        self.experts = range(cfg.n_routed_experts) if experts is None else experts  # this EP rank's routed experts
+        if self.experts.step != 1 or self.experts.start < 0 or self.experts.stop > cfg.n_routed_experts or not self.experts:
+            raise ValueError(f"expert range {experts} must be a non-empty contiguous part of 0..{cfg.n_routed_experts - 1}")
+        self.model = Trunk(cfg, layers, embed, head, mtp, self.experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
         self.has_mtp = mtp
         self.rope = RopeTable(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)

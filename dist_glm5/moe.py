@@ -101,10 +101,12 @@ class MXFP4Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, experts: range | None = None):
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = MXFP4Experts(cfg) if cfg.experts_format == "mxfp4" else Experts(cfg)
+        experts = range(cfg.n_routed_experts) if experts is None else experts
+        cls = MXFP4Experts if cfg.experts_format == "mxfp4" else Experts
+        self.experts = cls(cfg, experts.start, len(experts))
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) \
             if cfg.n_shared_experts else None
 

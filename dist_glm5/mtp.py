@@ -32,8 +32,8 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__(cfg, layer)
+    def __init__(self, cfg: ModelConfig, layer: int, experts: range | None = None):
+        super().__init__(cfg, layer, experts)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
