@@ -26,7 +26,7 @@ from .layout import expert_key, fused_names, fused_shapes, group_by_file, check_
 from .output import OutputDir
 
 log = logging.getLogger(__name__)
-SMALL_FILES_SKIP = {"config.json", "model.safetensors.index.json"}
+SMALL_FILES_SKIP = {"config.json", "model.safetensors.index.json", "manifest.json", "job.json", "shards.json"}
 
 
 def register(p: argparse.ArgumentParser) -> None:

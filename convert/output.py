@@ -52,25 +52,34 @@ class _Hashing:
             yield part
 
 
+def claim(path: Path, job: dict) -> None:
+    """Make `path` this job's: new, empty, or holding the same job (resume). Partial files are removed."""
+    if path.exists() and any(path.iterdir()):
+        jf = path / JOB
+        if not jf.exists():
+            raise DestinationError(f"destination {path} already holds other files: choose an empty or new directory")
+        old = json.loads(jf.read_text())
+        if old != job:
+            raise DestinationError(f"destination {path} holds a different conversion ({old.get('tool')} of "
+                                   f"{old.get('source')} with {old.get('options')}): choose another directory or remove it")
+        log.info("resuming the conversion in %s", path)
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in path.glob("*.tmp*"):  # partial files of a crashed run are never trusted
+        stale.unlink()
+    _atomic_write_text(path / JOB, json.dumps(job, indent=1, sort_keys=True))
+
+
+def write_json(path: Path, obj) -> None:
+    _atomic_write_text(path, json.dumps(obj, indent=1))
+
+
 class OutputDir:
     def __init__(self, path: str | Path, job: dict):
         self.path = Path(path)
         self.job = job
         self.done = self.path / ".done"
-        if self.path.exists() and any(self.path.iterdir()):
-            jf = self.path / JOB
-            if not jf.exists():
-                raise DestinationError(f"destination {self.path} already holds other files: choose an empty or new directory")
-            old = json.loads(jf.read_text())
-            if old != job:
-                raise DestinationError(f"destination {self.path} holds a different conversion ({old.get('tool')} of "
-                                       f"{old.get('source')} with {old.get('options')}): choose another directory or remove it")
-            log.info("resuming the conversion in %s", self.path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        claim(self.path, job)
         self.done.mkdir(exist_ok=True)
-        for stale in self.path.glob("*.tmp*"):  # partial files of a crashed run are never trusted
-            stale.unlink()
-        _atomic_write_text(self.path / JOB, json.dumps(job, indent=1, sort_keys=True))
 
     def is_done(self, filename: str) -> bool:
         f = self.path / filename

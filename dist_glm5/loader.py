@@ -24,6 +24,7 @@ from .config import ModelConfig
 from .model import Glm5Model
 from .moe import MXFP4Experts
 from .safetensors_io import Checkpoint, CheckpointError
+from .shards import open_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +162,11 @@ def check_checkpoint(model: Glm5Model, ckpt: Checkpoint, where: str | Path) -> d
     return expected
 
 
-def load_checkpoint(model: Glm5Model, directory: str | Path) -> dict[str, int]:
-    """Fill every weight of `model` from `directory`; return counts of what was loaded."""
-    ckpt = Checkpoint(directory)
+def load_checkpoint(model: Glm5Model, directory: str | Path, shard: tuple[int | None, int | None] = (None, None)
+                    ) -> dict[str, int]:
+    """Fill every weight of `model` from `directory` (plain, or sharded: `shard` = (stage, ep_rank)
+    selects the part to open); return counts of what was loaded."""
+    ckpt = open_checkpoint(directory, *shard)
     expected = check_checkpoint(model, ckpt, directory)
     with torch.no_grad():
         for name, src in expected.items():
@@ -198,8 +201,10 @@ class _skip_init:
             cls.reset_parameters = fn
 
 
-def load_model(directory: str | Path, dtype: torch.dtype | None = None, **stage) -> Glm5Model:
-    """Config + weights from a checkpoint directory. dtype: compute dtype (default: the config's)."""
+def load_model(directory: str | Path, dtype: torch.dtype | None = None, shard: tuple[int | None, int | None] = (None, None),
+               **stage) -> Glm5Model:
+    """Config + weights from a checkpoint directory. dtype: compute dtype (default: the config's).
+    `stage` keywords (layers=, experts=, ...) build one pipeline stage / EP rank of the model."""
     cfg = ModelConfig.from_hf(directory)
     dtype = dtype or _dtype_of(cfg)
     with _skip_init():
@@ -207,7 +212,7 @@ def load_model(directory: str | Path, dtype: torch.dtype | None = None, **stage)
     for mname, mod in model.named_modules():  # the router computes in fp32 whatever the model dtype
         if mname.endswith("mlp.gate"):
             mod.float()
-    load_checkpoint(model, directory)
+    load_checkpoint(model, directory, shard)
     return model.eval()
 
 

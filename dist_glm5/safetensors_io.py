@@ -100,17 +100,25 @@ class SafeTensorsFile:
         t = torch.frombuffer(self._mm, dtype=torch.uint8, count=info.nbytes, offset=info.start)
         return t.view(info.dtype).reshape(info.shape)
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, rows: range | None = None) -> torch.Tensor:
         """A private copy read with pread, not the mapping: streaming converters use this so that
-        resident memory stays flat however much of the checkpoint they pass through."""
+        resident memory stays flat however much of the checkpoint they pass through.
+        `rows` reads only those rows of the first dimension (one contiguous byte range)."""
         info = self.tensors[name]
-        buf = bytearray(info.nbytes)
-        if info.nbytes:
-            got = os.preadv(self._fd.fileno(), [buf], info.start)
-            if got != info.nbytes:
-                raise CheckpointError(f"{self.path}: short read of tensor {name!r} ({got} of {info.nbytes} bytes)")
-            return torch.frombuffer(buf, dtype=torch.uint8).view(info.dtype).reshape(info.shape)
-        return torch.empty(info.shape, dtype=info.dtype)
+        shape, start, nbytes = info.shape, info.start, info.nbytes
+        if rows is not None:
+            row_bytes = info.nbytes // shape[0] if shape and shape[0] else 0
+            if rows.step != 1 or rows.start < 0 or rows.stop > shape[0]:
+                raise ValueError(f"rows {rows} out of range for {name} with shape {list(shape)}")
+            shape = (len(rows), *shape[1:])
+            start, nbytes = start + rows.start * row_bytes, len(rows) * row_bytes
+        if not nbytes:
+            return torch.empty(shape, dtype=info.dtype)
+        buf = bytearray(nbytes)
+        got = os.preadv(self._fd.fileno(), [buf], start)
+        if got != nbytes:
+            raise CheckpointError(f"{self.path}: short read of tensor {name!r} ({got} of {nbytes} bytes)")
+        return torch.frombuffer(buf, dtype=torch.uint8).view(info.dtype).reshape(shape)
 
     def close(self) -> None:
         # Tensors handed out keep the mmap alive through their buffer; just drop our references.
@@ -134,7 +142,7 @@ class Checkpoint:
         else:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
             weight_map = None
-        if not files:
+        if not files and weight_map is None:
             raise CheckpointError(f"{self.dir}: no *.safetensors files: is this a checkpoint directory?")
         self.files: dict[str, SafeTensorsFile] = {}
         self.where: dict[str, SafeTensorsFile] = {}
@@ -165,8 +173,8 @@ class Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         return self.where[name].get(name)
 
-    def read(self, name: str) -> torch.Tensor:
-        return self.where[name].read(name)
+    def read(self, name: str, rows: range | None = None) -> torch.Tensor:
+        return self.where[name].read(name, rows)
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
