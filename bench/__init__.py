@@ -6,7 +6,8 @@ import argparse
 
 
 def register(p: argparse.ArgumentParser) -> None:
-    from . import generate_vs_hf
+    from . import encoder, generate_vs_hf
 
     sub = p.add_subparsers(dest="bench_command", required=True)
+    encoder.register(sub.add_parser("encoder", help="MXFP4 encoder throughput and peak RSS vs amd-quark and torchao"))
     generate_vs_hf.register(sub.add_parser("generate", help="generate() against transformers, prefill and decode tok/s"))

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 import json
 import logging
 from pathlib import Path
@@ -33,7 +36,8 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--src", required=True, help="BF16 checkpoint directory (HF layout)")
     p.add_argument("--dst", required=True, help="output directory (new or empty; a rerun of the same job resumes)")
     p.add_argument("--rule", choices=RULES, default="quark", help="MXFP4 scale rule (default: quark, as GLM-5.3 was served)")
-    p.set_defaults(func=lambda a: convert_glm53(a.src, a.dst, a.rule) and 0)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoder threads (default: all cores)")
+    p.set_defaults(func=lambda a: convert_glm53(a.src, a.dst, a.rule, a.workers) and 0)
 
 
 def source_files(src: Path) -> list[Path]:
@@ -42,17 +46,34 @@ def source_files(src: Path) -> list[Path]:
             if p.is_file() and p.suffix != ".safetensors" and p.name not in SMALL_FILES_SKIP and not p.name.startswith(".")]
 
 
-def expert_stream(ckpt: Checkpoint, prefix: str, n_experts: int, rule: str):
-    """(name, parts) for the four fused tensors of one MoE block; encodes one expert matrix at a time."""
+def ordered_map(fn, items, workers: int):
+    """fn over items on `workers` threads (torch ops release the GIL), results in order, at most
+    2 x workers in flight so memory stays bounded."""
+    items = list(items)
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(workers) as ex:
+        pending = deque()
+        for it in items:
+            pending.append(ex.submit(fn, it))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def expert_stream(ckpt: Checkpoint, prefix: str, n_experts: int, rule: str, workers: int = 1):
+    """(name, parts) for the four fused tensors of one MoE block; encodes expert matrices on
+    `workers` threads, a few at a time."""
     scales = {"w13": [], "w2": []}
 
     def weights(kind: str):
-        for e in range(n_experts):
-            projs = ("gate_proj", "up_proj") if kind == "w13" else ("down_proj",)
-            for proj in projs:
-                packed, s = encode(ckpt.read(f"{prefix}.{e}.{proj}.weight"), rule)
-                scales[kind].append(s)
-                yield packed
+        projs = ("gate_proj", "up_proj") if kind == "w13" else ("down_proj",)
+        names = [f"{prefix}.{e}.{proj}.weight" for e in range(n_experts) for proj in projs]
+        for packed, s in ordered_map(lambda n: encode(ckpt.read(n), rule), names, workers):
+            scales[kind].append(s)
+            yield packed
 
     def scale_parts(kind: str):
         yield from scales[kind]
@@ -65,7 +86,7 @@ def expert_stream(ckpt: Checkpoint, prefix: str, n_experts: int, rule: str):
     yield s2, scale_parts("w2")
 
 
-def convert_glm53(src: str | Path, dst: str | Path, rule: str = "quark") -> dict:
+def convert_glm53(src: str | Path, dst: str | Path, rule: str = "quark", workers: int = 1) -> dict:
     src, dst = Path(src), Path(dst)
     raw_cfg = json.loads((src / "config.json").read_text()) if (src / "config.json").exists() else None
     cfg = ModelConfig.from_hf(src)
@@ -98,7 +119,7 @@ def convert_glm53(src: str | Path, dst: str | Path, rule: str = "quark") -> dict
                 for n in plain:
                     yield n, ckpt.read(n)
                 for pre in prefixes:
-                    yield from expert_stream(ckpt, pre, cfg.n_routed_experts, rule)
+                    yield from expert_stream(ckpt, pre, cfg.n_routed_experts, rule, workers)
 
             out.write(fname, plan, stream())
             bar.update(nbytes)

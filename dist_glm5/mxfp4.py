@@ -113,6 +113,24 @@ def _build_luts() -> dict[str, Tensor]:
 
 
 _LUTS = _build_luts()
+
+# Common-path table: indexed directly by (sign-extended bf16 bits) - offset + _WIDE_BASE, which folds
+# the clamp and the sign into one lookup. With every block normal, offset = (X << 7) + _LUT_LO lies
+# in [384, 31872], so positive values land in [_WIDE_BASE - 31872, _WIDE_BASE + 768] and negative
+# ones (bits = |bits| - 32768) in [0, _WIDE_BASE - 32000]: disjoint ranges of one 65K-entry table.
+_WIDE_BASE = 32768 + 31872
+_WIDE_SIZE = _WIDE_BASE + 0x7FFF - _LUT_LO + 1
+
+
+def _build_wide_luts() -> dict[str, Tensor]:
+    i = torch.arange(_WIDE_SIZE, dtype=torch.int64)
+    t = i - _WIDE_BASE  # positive values: t = |bits| - offset
+    neg = t < -32000
+    t = torch.where(neg, t + 32768, t).clamp(0, _LUT_SPAN - 1) + torch.where(neg, _LUT_SPAN, 0)
+    return {rule: lut[t] for rule, lut in _LUTS.items()}
+
+
+_WIDE_LUTS = _build_wide_luts()
 # 2^e for e in -127..127 as exact fp32 (2^-127 is subnormal), indexed by e + 127.
 _POW2 = torch.tensor([math.ldexp(1.0, e) for e in range(-127, 128)], dtype=torch.float32)
 # E8M0 byte -> scale value; 0xFF is NaN.
@@ -223,7 +241,15 @@ def _encode_rows(x: Tensor, rule: str, packed_out: Tensor, scales_out: Tensor) -
         e_bits = (amax + 0x20) if rule == "quark" else amax.clone()  # quark: round the amax mantissa
         e_bits &= ~0x7F  # E << 7
         scales_out.copy_((e_bits >> 7) - 2)  # byte = X + 127 = E - 2
-        offset = e_bits.sub_((129 << 7) - _LUT_LO)  # (X << 7) + _LUT_LO
+        # index = bits - offset + _WIDE_BASE with offset = (X << 7) + _LUT_LO = (E << 7) - (129 << 7) + _LUT_LO
+        idx = bits.view(r, nb, BLOCK).to(torch.int32)
+        idx -= e_bits.to(torch.int32).sub_((129 << 7) - _LUT_LO + _WIDE_BASE)[..., None]
+        lut = _WIDE_LUTS[rule] if x.device.type == "cpu" else _WIDE_LUTS[rule].to(x.device)
+        codes = torch.index_select(lut, 0, idx.view(-1))
+        pairs = codes.view(torch.int16)
+        pairs = pairs | (pairs >> 4)
+        packed_out.view(-1).copy_(pairs)
+        return 0
     else:
         byte, x_el = _scale_from_amax_bits(amax, rule)
         scales_out.copy_(byte)

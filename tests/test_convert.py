@@ -183,6 +183,14 @@ def test_crash_leaves_no_partial_file_and_rerun_resumes(bf16_dir, converted, tmp
     glm53.convert_glm53(bf16_dir, dst)  # a rerun of a finished job is a no-op
 
 
+def test_parallel_encoding_writes_the_same_bytes(bf16_dir, converted, tmp_path):
+    from dist_glm5.convert.glm53 import convert_glm53
+
+    m = convert_glm53(bf16_dir, tmp_path / "par", workers=2)
+    want = json.loads((converted / "manifest.json").read_text())["tensors"]
+    assert {n: t["sha256"] for n, t in m["tensors"].items()} == {n: t["sha256"] for n, t in want.items()}
+
+
 def test_probe_finds_gate_up_and_says_inconclusive_when_it_cannot_tell(converted):
     from dist_glm5.convert.probe import probe
 
