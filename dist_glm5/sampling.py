@@ -1,8 +1,11 @@
 """Per-request sampling parameters and the reference sampler.
 
-Greedy (temperature 0) is argmax with ties to the lowest id. Otherwise: logits / temperature,
-then top-k, top-p and min-p filters, then one multinomial draw from the request's own generator
-(seeded per request, so a seeded request is reproducible whatever else is in the batch).
+Order (as vLLM): logit_bias, then min_tokens (eos and stop ids masked until enough tokens) and
+bad_words (a word's last token is banned where the output ends with the rest of it), then
+temperature, top-k, top-p, min-p. Greedy (temperature 0) is argmax with ties to the lowest id.
+Sampling draws from the request's own generator (seeded per request, so a seeded request is
+reproducible whatever else is in the batch). Logprobs are of the model's raw distribution.
+Stop strings are matched by the coordinator on detokenised text.
 """
 
 from __future__ import annotations
@@ -19,25 +22,68 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     min_p: float = 0.0
     max_tokens: int = 16
+    min_tokens: int = 0
     seed: int | None = None
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token-id sequences never to produce
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # top-n logprobs per generated token (0: only the chosen token's)
+    prompt_logprobs: int | None = None  # likewise for every prompt token after the first
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r} {why}")
+
         if not (self.temperature >= 0):
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+            raise bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+            raise bad("top_p", "must be in (0, 1]")
         if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 turns it off)")
+            raise bad("top_k", "must be >= 0 (0 turns it off)")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+            raise bad("min_p", "must be in [0, 1]")
         if self.max_tokens < 0:
-            raise ValueError(f"max_tokens={self.max_tokens} must be >= 0")
+            raise bad("max_tokens", "must be >= 0")
+        if not 0 <= self.min_tokens:
+            raise bad("min_tokens", "must be >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= 20:
+                raise bad(name, "must be between 0 and 20")
+        if any(len(w) == 0 for w in self.bad_words):
+            raise bad("bad_words", "must not contain an empty word")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "bad_words", tuple(tuple(w) for w in self.bad_words))
+        object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def check_vocab(p: SamplingParams, vocab: int) -> None:
+    ids = [*p.stop_token_ids, *p.logit_bias, *(t for w in p.bad_words for t in w)]
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} in the sampling parameters are outside the vocabulary 0..{vocab - 1}")
+
+
+def process_logits(logits: torch.Tensor, p: SamplingParams, history: list[int], eos: tuple[int, ...]) -> torch.Tensor:
+    """logits [V] fp32 -> logits after logit_bias, min_tokens and bad_words (before temperature)."""
+    x = logits.float().clone()
+    for tok, b in p.logit_bias.items():
+        x[tok] += b
+    if len(history) < p.min_tokens:
+        ban = [*p.stop_token_ids, *([] if p.ignore_eos else eos)]
+        if ban:
+            x[list(ban)] = float("-inf")
+    for w in p.bad_words:
+        if len(w) == 1 or (len(history) >= len(w) - 1 and tuple(history[len(history) - len(w) + 1:]) == w[:-1]):
+            x[w[-1]] = float("-inf")
+    return x
 
 
 def filtered_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -57,16 +103,30 @@ def filtered_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return torch.log_softmax(x, -1)
 
 
+def target_probs(processed: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a token is drawn from: [V] probabilities (one-hot at the argmax when greedy)."""
+    if p.greedy:
+        return torch.zeros_like(processed).scatter_(0, processed.argmax().view(1), 1.0)
+    return filtered_logprobs(processed, p).exp()
+
+
+def sample_one(processed: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    if p.greedy:
+        return int(torch.argmax(processed))
+    return int(torch.multinomial(filtered_logprobs(processed, p).exp(), 1, generator=gen)[0])
+
+
+def token_logprobs(logits: torch.Tensor, token: int, n: int) -> dict:
+    """The raw model log-probability of `token` and the top-n alternatives."""
+    lp = torch.log_softmax(logits.float(), -1)
+    top = torch.topk(lp, n) if n else None
+    return {"token": token, "logprob": float(lp[token]),
+            "top": [[int(i), float(v)] for v, i in zip(top.values, top.indices)] if top is not None else []}
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits: [B, V] -> token ids [B] int64."""
-    out = torch.empty(logits.shape[0], dtype=torch.int64)
-    for i, p in enumerate(params):
-        if p.greedy:
-            out[i] = torch.argmax(logits[i])
-        else:
-            probs = filtered_logprobs(logits[i], p).exp()
-            out[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
-    return out
+    """logits: [B, V] -> token ids [B] int64 (no history-dependent processing)."""
+    return torch.tensor([sample_one(logits[i], p, generators[i]) for i, p in enumerate(params)], dtype=torch.int64)
 
 
 def make_generator(p: SamplingParams) -> torch.Generator | None:

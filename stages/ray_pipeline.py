@@ -1,0 +1,202 @@
+"""The pipeline as Ray actors: one actor per (stage, rank), one placement-group bundle per stage.
+
+Ray places and supervises the workers (STRICT_SPREAD puts each stage on its own node when the
+cluster has enough nodes); control messages are msgpack over zmq (the coordinator binds a ROUTER,
+each worker connects a DEALER named "stage/rank"); hidden states and all-reduces go through
+torch.distributed (gloo on CPU). A worker that raises reports a WorkerError; one that dies is seen
+through its actor's task ref. Either way recv() raises StageFailure naming the stage and rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import zmq
+
+from dist_glm5.config import ModelConfig
+from dist_glm5.messages import Hello, Shutdown, StepPlan, StepResult, WorkerError, pack, unpack
+from dist_glm5.partition import partition_layers
+
+from .coordinator import StageFailure
+from .worker import StageSpec, serve
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _actor_class():
+    import ray
+
+    @ray.remote
+    class StageWorkerActor:
+        def run(self, spec: StageSpec, coord_addr: str, dist_init: str | None) -> None:
+            serve(spec, coord_addr, dist_init)
+
+        def node_id(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+    return StageWorkerActor
+
+
+class RayPipeline:
+    def __init__(self, model_dir: str, stages: int = 1, tp: int = 1, ep: int = 1, mtp: bool = False,
+                 address: str | None = None, host: str = "127.0.0.1", cache_blocks: int = 512, block_size: int = 64,
+                 dtype: str | None = None, threads: int = 1, cpus_per_worker: float = 1.0, startup_timeout: float = 300.0):
+        import ray
+
+        if tp < 1 or ep < 1:
+            raise ValueError(f"--tp {tp} --ep {ep}: both must be >= 1")
+        ranks = max(tp, ep)
+        if tp != ranks:
+            raise ValueError(f"--ep {ep} > --tp {tp}: expert parallelism runs over the tensor-parallel ranks of a stage; "
+                             f"use --tp {ep} --ep {ep}")
+        cfg = ModelConfig.from_hf(model_dir)
+        self.ranges = partition_layers(cfg, stages)
+        self.stages, self.ranks = stages, ranks
+        self.specs = [StageSpec(str(model_dir), s, stages, r, ranks, ep, (self.ranges[s].start, self.ranges[s].stop),
+                                mtp, cache_blocks, block_size, dtype, threads)
+                      for s in range(stages) for r in range(ranks)]
+        self.host, self.cpus, self.startup_timeout = host, cpus_per_worker, startup_timeout
+        if not ray.is_initialized():
+            ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                     **({} if address else {"num_cpus": max(2, stages * ranks)}))
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished worker is an error, not a drop
+        port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.coord_addr = f"tcp://{host}:{port}"
+        self.actors, self.refs, self.pg = [], [], None
+        self._start()
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def _start(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        strategy = "STRICT_SPREAD" if len(nodes) >= self.stages and self.stages > 1 else "PACK"
+        if self.stages > 1 and strategy == "PACK":
+            log.warning("the Ray cluster has %d node(s) for %d stages: stages share a node", len(nodes), self.stages)
+        bundles = [{"CPU": self.cpus * self.ranks} for _ in range(self.stages)]
+        self.pg = placement_group(bundles, strategy=strategy)
+        ray.get(self.pg.ready(), timeout=self.startup_timeout)
+        env = {"OMP_NUM_THREADS": "1"}
+        if self.host.startswith("127."):
+            env["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo's pairs on loopback as well
+        actor = _actor_class()
+        dist_init = f"tcp://{self.host}:{free_port(self.host)}" if len(self.specs) > 1 else None
+        self.actors = [actor.options(num_cpus=self.cpus, runtime_env={"env_vars": env},
+                                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, spec.stage)).remote()
+                       for spec in self.specs]
+        # where Ray put each stage (asked before run(), which occupies the actor until shutdown)
+        self.node_of_stage = {s.stage: n for s, n in zip(self.specs, ray.get([a.node_id.remote() for a in self.actors]))}
+        self.refs = [a.run.remote(spec, self.coord_addr, dist_init) for a, spec in zip(self.actors, self.specs)]
+        waiting = {(s.stage, s.rank) for s in self.specs}
+        deadline = time.monotonic() + self.startup_timeout
+        while waiting:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers {sorted(waiting)} did not start within {self.startup_timeout:.0f}s")
+            if self.sock.poll(200):
+                _, raw = self.sock.recv_multipart()
+                msg = unpack(raw)
+                if isinstance(msg, WorkerError):
+                    raise StageFailure(msg.stage, msg.rank, msg.error)
+                if isinstance(msg, Hello):
+                    waiting.discard((msg.stage, msg.rank))
+        log.info("pipeline up: %d stage(s) x %d rank(s) on nodes %s", self.stages, self.ranks, self.node_of_stage)
+
+    def _check_alive(self) -> None:
+        import ray
+
+        done, _ = ray.wait(self.refs, num_returns=1, timeout=0)
+        if done:
+            i = self.refs.index(done[0])
+            spec = self.specs[i]
+            try:
+                ray.get(done[0])
+                err = "worker exited"
+            except Exception as e:  # RayActorError (process died) or the worker's own exception
+                err = f"{type(e).__name__}: {e}"
+            raise StageFailure(spec.stage, spec.rank, err)
+
+    def _stop(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+        self.actors, self.refs, self.pg = [], [], None
+        while self.sock.poll(0):  # drop whatever the old workers still had in flight
+            self.sock.recv_multipart()
+
+    def restart(self) -> None:
+        self._stop()
+        self._start()
+
+    def close(self) -> None:
+        import ray
+
+        for s in self.specs:
+            try:
+                self.sock.send_multipart([f"{s.stage}/{s.rank}".encode(), pack(Shutdown("close"))])
+            except zmq.ZMQError:
+                pass
+        ray.wait(self.refs, num_returns=len(self.refs), timeout=10)
+        self._stop()
+        self.sock.close()
+        self.ctx.term()
+
+    # ---- traffic -----------------------------------------------------------------------
+    def send(self, plan: StepPlan) -> None:
+        raw = pack(plan)
+        for s in self.specs:
+            try:
+                self.sock.send_multipart([f"{s.stage}/{s.rank}".encode(), raw])
+            except zmq.ZMQError as e:
+                raise StageFailure(s.stage, s.rank, f"cannot reach the worker: {e}") from e
+
+    def recv(self, timeout: float) -> StepResult:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.sock.poll(500):
+                _, raw = self.sock.recv_multipart()
+                msg = unpack(raw)
+                if isinstance(msg, StepResult):
+                    return msg
+                if isinstance(msg, WorkerError):
+                    raise StageFailure(msg.stage, msg.rank, msg.error)
+                continue
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise StageFailure(-1, -1, f"no step result within {timeout:.0f}s")
+
+    def pids(self) -> dict:
+        return {}
+
+
+def local_cluster(nodes: int, cpus_per_node: int = 4):
+    """A Ray cluster of `nodes` nodes on this machine (how tests stand up 'two nodes')."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "include_dashboard": False})
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=cpus_per_node)
+    cluster.wait_for_nodes()
+    return cluster
+
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")

@@ -1,0 +1,227 @@
+"""A stage worker: one (stage, rank) of the pipeline. Owns a contiguous range of layers, their paged
+caches and the weights from its shard; the first stage also the embedding, the last also the final
+norm, lm_head, the sampler and the MTP layer.
+
+`StageWorker.step(plan)` is the whole per-step logic, used in-process (tests, single process) or
+inside `serve()` (a process, e.g. a Ray actor): control messages arrive over zmq, hidden states
+over torch.distributed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from dist_glm5.config import ModelConfig
+from dist_glm5.kv_cache import Chunk
+from dist_glm5.loader import load_model
+from dist_glm5.messages import SeqOutput, SeqWork, StepPlan, StepResult
+from dist_glm5.partition import expert_ranges
+from dist_glm5.rejection import verify_draft
+from dist_glm5.sampling import (SamplingParams, make_generator, process_logits, sample_one, target_probs,
+                                token_logprobs)
+from dist_glm5.shards import ShardedCheckpoint, is_sharded
+
+from .tp import shard_tensor_parallel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    model_dir: str
+    stage: int = 0
+    stages: int = 1
+    rank: int = 0
+    ranks: int = 1
+    ep: int = 1
+    layers: tuple[int, int] | None = None  # default: all layers (one stage)
+    mtp: bool = False
+    cache_blocks: int = 512
+    block_size: int = 64
+    dtype: str | None = None
+    threads: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.stage} rank {self.rank}"
+
+
+@dataclass
+class SeqState:
+    """What the last stage keeps per sequence: sampling parameters, RNG, outputs, pending draft."""
+    params: SamplingParams
+    gen: torch.Generator | None
+    history: list[int] = field(default_factory=list)
+    draft_q: torch.Tensor | None = None
+
+
+def _shard_selection(model_dir: str, spec: StageSpec) -> tuple[int | None, int | None]:
+    """Which part of a sharded checkpoint this worker opens: its own stage (and EP rank) when the
+    checkpoint was sharded for this layout, else the whole checkpoint (the loader keeps what it owns)."""
+    if not is_sharded(model_dir):
+        return None, None
+    meta = ShardedCheckpoint(model_dir).meta
+    if meta["stages"] != spec.stages or meta["layers"][spec.stage] != list(spec.layers):
+        return None, None
+    return spec.stage, (spec.rank if meta["ep"] == spec.ep and spec.ep > 1 else None)
+
+
+class StageWorker:
+    def __init__(self, spec: StageSpec, comm=None):
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        self.spec, self.comm = spec, comm
+        cfg = ModelConfig.from_hf(spec.model_dir)
+        self.cfg = cfg
+        layers = range(*spec.layers) if spec.layers else range(cfg.num_hidden_layers)
+        self.first, self.last = spec.stage == 0, spec.stage == spec.stages - 1
+        if spec.mtp and self.last and cfg.num_nextn_predict_layers == 0:
+            raise ValueError(f"--mtp needs an MTP layer, but {spec.model_dir} has num_nextn_predict_layers=0")
+        experts = expert_ranges(cfg.n_routed_experts, spec.ep)[spec.rank] if spec.ep > 1 else None
+        t0 = time.perf_counter()
+        self.model = load_model(spec.model_dir, dtype=getattr(torch, spec.dtype) if spec.dtype else None,
+                                shard=_shard_selection(spec.model_dir, spec), layers=layers, embed=self.first,
+                                head=self.last, mtp=self.last and spec.mtp, experts=experts)
+        if spec.ranks > 1:
+            shard_tensor_parallel(self.model, spec.rank, spec.ranks, spec.ep, comm.all_reduce)
+        self.cache = self.model.new_cache(spec.cache_blocks, spec.block_size)
+        self.seqs: dict[int, SeqState] = {}
+        self.eos = tuple(cfg.eos_token_id)
+        self.busy = 0.0
+        log.info("%s: layers %d..%d loaded in %.2fs", spec.name, layers.start, layers.stop - 1, time.perf_counter() - t0)
+
+    # ---- one step ------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, plan: StepPlan) -> StepResult | None:
+        t0 = time.perf_counter()
+        for sid in plan.release:
+            self.cache.release(sid)
+            self.seqs.pop(sid, None)
+        if not plan.work:
+            return StepResult(plan.step, []) if self.last and self.spec.rank == 0 else None
+        batch = self.cache.prepare([Chunk(w.seq_id, w.start, len(w.tokens)) for w in plan.work])
+        T = batch.num_tokens
+        if self.first:
+            x = torch.tensor([t for w in plan.work for t in w.tokens], dtype=torch.int64)
+        else:
+            x = self.comm.recv_hidden((T, self.cfg.hidden_size), self.model.dtype, plan.step)
+        h, _ = self.model(x, batch, self.cache)
+        if not self.last:
+            self.comm.send_hidden(h, plan.step)
+            self.busy += time.perf_counter() - t0
+            return None
+        outputs = self._sample(plan, batch, h)
+        dt = time.perf_counter() - t0
+        self.busy += dt
+        if self.spec.rank != 0:
+            return None
+        return StepResult(plan.step, outputs, {f"{self.spec.stage}/{self.spec.rank}": dt})
+
+    def _state(self, w: SeqWork) -> SeqState:
+        st = self.seqs.get(w.seq_id)
+        if st is None:
+            if w.params is None:
+                raise ValueError(f"sequence {w.seq_id} arrived without sampling parameters")
+            st = self.seqs[w.seq_id] = SeqState(w.params, make_generator(w.params))
+        return st
+
+    def _sample(self, plan: StepPlan, batch, h: torch.Tensor) -> list[SeqOutput]:
+        m = self.model
+        hn = m.final_norm(h)
+        outputs, mtp_chunks, mtp_rows, mtp_next, mtp_seqs = [], [], [], [], []
+        for w, (a, b) in zip(plan.work, batch.spans):
+            st = self._state(w)
+            p = st.params
+            out = SeqOutput(w.seq_id, [])
+            if w.prompt_logprobs_from is not None and p.prompt_logprobs is not None:
+                lg = m.logits(hn[a:b])
+                nxt = w.tokens[1:] + ([w.lookahead] if w.lookahead is not None else [])
+                for i, tok in enumerate(nxt):
+                    if w.start + i + 1 >= w.prompt_logprobs_from:
+                        out.prompt_logprobs.append(token_logprobs(lg[i], tok, p.prompt_logprobs))
+            emitted, rejected = [], False
+            if w.sample:
+                if w.draft is None:
+                    lg = m.logits(hn[b - 1:b])[0]
+                    tok = sample_one(process_logits(lg, p, st.history, self.eos), p, st.gen)
+                    emitted, rows = [tok], [lg]
+                else:
+                    lg = m.logits(hn[b - 2:b])
+                    pr = target_probs(process_logits(lg[0], p, st.history, self.eos), p)
+                    ok, repl = verify_draft(pr, st.draft_q, w.draft, p.greedy, st.gen)
+                    out.accepted = int(ok)
+                    if ok:
+                        bonus = sample_one(process_logits(lg[1], p, st.history + [w.draft], self.eos), p, st.gen)
+                        emitted, rows = [w.draft, bonus], [lg[0], lg[1]]
+                    else:
+                        emitted, rows, rejected = [repl], [lg[0]], True
+                if p.logprobs is not None:
+                    out.logprobs = [token_logprobs(r, t, p.logprobs) for r, t in zip(rows, emitted)]
+                st.history.extend(emitted)
+                out.tokens = emitted
+            outputs.append(out)
+            if m.has_mtp:
+                n_valid = len(w.tokens) - int(rejected)
+                actual = w.tokens[:n_valid] + (emitted if w.sample else [w.lookahead])
+                if None in actual:
+                    raise ValueError(f"sequence {w.seq_id}: a non-final prefill chunk needs its lookahead token for MTP")
+                mtp_chunks.append(Chunk(w.seq_id, w.start, n_valid))
+                mtp_rows.append(torch.arange(a, a + n_valid))
+                mtp_next += actual[1:n_valid + 1]
+                mtp_seqs.append((out, st, w.sample))
+        if mtp_chunks:
+            mb = self.cache.prepare(mtp_chunks)
+            hm = m.mtp_forward(torch.tensor(mtp_next), hn[torch.cat(mtp_rows)], mb, self.cache)
+            for (out, st, sampled), (_, e) in zip(mtp_seqs, mb.spans):
+                if not sampled:
+                    continue
+                proc = process_logits(m.mtp_logits(hm[e - 1:e])[0], st.params, st.history, self.eos)
+                out.draft = sample_one(proc, st.params, st.gen)
+                st.draft_q = None if st.params.greedy else target_probs(proc, st.params)
+        return outputs
+
+
+# ---- process mode -----------------------------------------------------------------------
+def serve(spec: StageSpec, coord_addr: str, dist_init: str | None) -> None:
+    """Run one worker until Shutdown: plans in over zmq (DEALER to the coordinator's ROUTER),
+    results and errors out the same way; hidden states over torch.distributed."""
+    import zmq
+
+    from dist_glm5.messages import Hello, Shutdown, WorkerError, pack, unpack
+
+    from .comm import Comm
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"{spec.stage}/{spec.rank}".encode())
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(coord_addr)
+    comm, step = None, None
+    try:
+        if spec.stages * spec.ranks > 1:
+            comm = Comm(spec.stage, spec.rank, spec.stages, spec.ranks, dist_init)
+        worker = StageWorker(spec, comm)
+        sock.send(pack(Hello(spec.stage, spec.rank, os.getpid())))
+        while True:
+            msg = unpack(sock.recv())
+            if isinstance(msg, Shutdown):
+                break
+            step = msg.step
+            res = worker.step(msg)
+            if res is not None:
+                sock.send(pack(res))
+    except Exception as e:  # reported, never swallowed: the coordinator fails the in-flight requests
+        log.exception("%s failed", spec.name)
+        sock.send(pack(WorkerError(spec.stage, spec.rank, step, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
+        raise
+    finally:
+        if comm is not None:
+            comm.close()
+        sock.close()
+        ctx.term()
