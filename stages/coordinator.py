@@ -40,11 +40,11 @@ class Pipeline(Protocol):
 class InProcessPipeline:
     """One stage, one rank, in this process: plans run as they are sent."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, worker_cls=None):
         from .worker import StageWorker
 
-        self.spec = spec
-        self.worker = StageWorker(spec)
+        self.spec, self.worker_cls = spec, worker_cls or StageWorker
+        self.worker = self.worker_cls(spec)
         self.results: list[StepResult] = []
 
     def send(self, plan: StepPlan) -> None:
@@ -57,9 +57,7 @@ class InProcessPipeline:
         return self.results.pop(0)
 
     def restart(self) -> None:
-        from .worker import StageWorker
-
-        self.worker = StageWorker(self.spec)
+        self.worker = self.worker_cls(self.spec)
         self.results = []
 
     def close(self) -> None:

@@ -102,6 +102,7 @@ class RayPipeline:
         self.node_of_stage = {s.stage: n for s, n in zip(self.specs, ray.get([a.node_id.remote() for a in self.actors]))}
         self.refs = [a.run.remote(spec, self.coord_addr, dist_init) for a, spec in zip(self.actors, self.specs)]
         waiting = {(s.stage, s.rank) for s in self.specs}
+        self.pids: dict[tuple[int, int], int] = {}
         deadline = time.monotonic() + self.startup_timeout
         while waiting:
             self._check_alive()
@@ -114,6 +115,7 @@ class RayPipeline:
                     raise StageFailure(msg.stage, msg.rank, msg.error)
                 if isinstance(msg, Hello):
                     waiting.discard((msg.stage, msg.rank))
+                    self.pids[(msg.stage, msg.rank)] = msg.pid
         log.info("pipeline up: %d stage(s) x %d rank(s) on nodes %s", self.stages, self.ranks, self.node_of_stage)
 
     def _check_alive(self) -> None:
@@ -183,9 +185,6 @@ class RayPipeline:
             self._check_alive()
             if time.monotonic() > deadline:
                 raise StageFailure(-1, -1, f"no step result within {timeout:.0f}s")
-
-    def pids(self) -> dict:
-        return {}
 
 
 def local_cluster(nodes: int, cpus_per_node: int = 4):

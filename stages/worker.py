@@ -179,12 +179,15 @@ class StageWorker:
             mb = self.cache.prepare(mtp_chunks)
             hm = m.mtp_forward(torch.tensor(mtp_next), hn[torch.cat(mtp_rows)], mb, self.cache)
             for (out, st, sampled), (_, e) in zip(mtp_seqs, mb.spans):
-                if not sampled:
-                    continue
-                proc = process_logits(m.mtp_logits(hm[e - 1:e])[0], st.params, st.history, self.eos)
-                out.draft = sample_one(proc, st.params, st.gen)
-                st.draft_q = None if st.params.greedy else target_probs(proc, st.params)
+                if sampled:
+                    out.draft, st.draft_q = self.propose(out.seq_id, st, m.mtp_logits(hm[e - 1:e])[0])
         return outputs
+
+    def propose(self, seq_id: int, st: SeqState, mtp_logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """The next draft from the MTP layer's logits: drawn like a target token (same processing),
+        with its proposal distribution q kept for the rejection sampler (None for greedy rows)."""
+        proc = process_logits(mtp_logits, st.params, st.history, self.eos)
+        return sample_one(proc, st.params, st.gen), None if st.params.greedy else target_probs(proc, st.params)
 
 
 # ---- process mode -----------------------------------------------------------------------

@@ -1,0 +1,23 @@
+"""Helpers for runtime tests: a coordinator over an in-process pipeline on the embedded model."""
+
+from __future__ import annotations
+
+import torch
+
+from dist_glm5.config import ModelConfig
+from dist_glm5.stages.coordinator import Coordinator, InProcessPipeline
+from dist_glm5.stages.scheduler import SchedulerConfig
+from dist_glm5.stages.worker import StageSpec
+from dist_glm5.tokenizer import load_tokenizer
+
+
+def prompts(lengths, seed=0, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def coordinator(model_dir, mtp=False, worker_cls=None, **sched) -> Coordinator:
+    cfg = ModelConfig.from_hf(model_dir)
+    pipe = InProcessPipeline(StageSpec(str(model_dir), mtp=mtp, cache_blocks=128), worker_cls)
+    return Coordinator(pipe, SchedulerConfig(mtp=mtp, **{"chunk_tokens": 64, **sched}), cfg.eos_token_id,
+                       cfg.vocab_size, load_tokenizer(model_dir))
