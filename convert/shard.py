@@ -38,13 +38,16 @@ def register(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=lambda a: shard_checkpoint(a.src, a.dst, a.stages, a.ep) and 0)
 
 
-def stage_of(name: str, cfg: ModelConfig, ranges: list[range]) -> int:
+def stages_of(name: str, cfg: ModelConfig, ranges: list[range]) -> list[int]:
+    last = len(ranges) - 1
     i = layer_of(name)
     if i is None:
-        return 0 if name.startswith("model.embed_tokens.") else len(ranges) - 1
+        if name.startswith("model.embed_tokens."):  # the MTP layer on the last stage embeds too
+            return sorted({0, last}) if cfg.num_nextn_predict_layers else [0]
+        return [last]
     if i >= cfg.num_hidden_layers:  # the MTP layer goes with the head
-        return len(ranges) - 1
-    return next(s for s, r in enumerate(ranges) if i in r)
+        return [last]
+    return [next(s for s, r in enumerate(ranges) if i in r)]
 
 
 def is_routed_expert(name: str) -> bool:
@@ -67,7 +70,8 @@ def shard_checkpoint(src: str | Path, dst: str | Path, stages: int, ep: int = 1)
     config = json.loads((src / "config.json").read_text())
     by_stage: dict[int, list[str]] = {s: [] for s in range(stages)}
     for n in ckpt.names():
-        by_stage[stage_of(n, cfg, ranges)].append(n)
+        for s in stages_of(n, cfg, ranges):
+            by_stage[s].append(n)
     parts = []
     with tqdm(total=stages * (1 + ep), desc="shard", leave=False) as bar:
         for s, names in by_stage.items():

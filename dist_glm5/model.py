@@ -43,6 +43,7 @@ class Glm5Model(nn.Module):
         embed = layers.start == 0 if embed is None else embed
         head = layers.stop == n if head is None else head
         mtp = head and cfg.num_nextn_predict_layers > 0 if mtp is None else mtp
+        embed = embed or mtp  # the MTP layer embeds the next token with the shared embedding
         self.experts = range(cfg.n_routed_experts) if experts is None else experts  # this EP rank's routed experts
         if self.experts.step != 1 or self.experts.start < 0 or self.experts.stop > cfg.n_routed_experts or not self.experts:
             raise ValueError(f"expert range {experts} must be a non-empty contiguous part of 0..{cfg.n_routed_experts - 1}")

@@ -125,12 +125,37 @@ class RayPipeline:
         if done:
             i = self.refs.index(done[0])
             spec = self.specs[i]
+            from ray.exceptions import RayActorError
+
             try:
                 ray.get(done[0])
                 err = "worker exited"
-            except Exception as e:  # RayActorError (process died) or the worker's own exception
+            except RayActorError as e:
+                err = f"worker process died ({type(e).__name__})"
+            except Exception as e:  # the worker's own exception
                 err = f"{type(e).__name__}: {e}"
             raise StageFailure(spec.stage, spec.rank, err)
+
+    def _blame(self, msg: WorkerError, grace: float = 3.0) -> StageFailure:
+        """A worker's error may only be the echo of a peer that died (gloo: connection reset):
+        give Ray a moment to report a dead actor and name that one instead."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            done, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0.2)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except RayActorError as e:
+                    spec = self.specs[self.refs.index(ref)]
+                    return StageFailure(spec.stage, spec.rank, f"worker process died ({type(e).__name__})")
+                except Exception:
+                    pass
+            if "gloo" not in msg.error and "Connection" not in msg.error:
+                break  # the reporter's own failure, not a peer's
+        return StageFailure(msg.stage, msg.rank, msg.error)
 
     def _stop(self) -> None:
         import ray
@@ -180,7 +205,7 @@ class RayPipeline:
                 if isinstance(msg, StepResult):
                     return msg
                 if isinstance(msg, WorkerError):
-                    raise StageFailure(msg.stage, msg.rank, msg.error)
+                    raise self._blame(msg)
                 continue
             self._check_alive()
             if time.monotonic() > deadline:
