@@ -6,8 +6,9 @@ import argparse
 
 
 def register(p: argparse.ArgumentParser) -> None:
-    from . import encoder, generate_vs_hf
+    from . import encoder, generate_vs_hf, pipeline
 
     sub = p.add_subparsers(dest="bench_command", required=True)
     encoder.register(sub.add_parser("encoder", help="MXFP4 encoder throughput and peak RSS vs amd-quark and torchao"))
+    pipeline.register(sub.add_parser("pipeline", help="per-stage utilisation, 2 vs 1 stages, MTP tokens/step, transfer cost"))
     generate_vs_hf.register(sub.add_parser("generate", help="generate() against transformers, prefill and decode tok/s"))

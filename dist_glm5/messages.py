@@ -66,6 +66,16 @@ class StepResult:
 
 
 @message
+class StepTiming:
+    """A non-sampling stage's time on one step (the last stage's rides in StepResult)."""
+    step: int
+    stage: int
+    busy_s: float
+    send_s: float
+    sent_bytes: int
+
+
+@message
 class Hello:
     """A worker is loaded and listening."""
     stage: int

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import torch
 
+from .engine import add_layout_args, build_engine, model_dir
+
 log = logging.getLogger(__name__)
 
 
 def register(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (default: the embedded small model)")
+    add_layout_args(p)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text (needs a tokenizer in the checkpoint)")
     g.add_argument("--prompt-ids", help="comma-separated token ids, or @FILE to read them from a file")
@@ -25,8 +27,6 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -40,38 +40,43 @@ def parse_ids(spec: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dist_glm5.config import ModelConfig
-    from dist_glm5.default_model import ensure_default_model
-    from dist_glm5.generate import generate
-    from dist_glm5.loader import load_model
     from dist_glm5.sampling import SamplingParams
     from dist_glm5.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = Path(args.model) if args.model else ensure_default_model()
-    ModelConfig.from_hf(model_dir)  # fail first on a directory that is not a checkpoint
-    tok = load_tokenizer(model_dir)
+    d = model_dir(args)
+    tok = load_tokenizer(d)
     if args.prompt is not None:
         if tok is None:
-            raise ValueError(f"{model_dir} ships no tokenizer: pass --prompt-ids instead of --prompt")
+            raise ValueError(f"{d} ships no tokenizer: pass --prompt-ids instead of --prompt")
         ids = tok.encode(args.prompt)
     else:
         ids = parse_ids(args.prompt_ids)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()
-    model = load_model(model_dir, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    engine = build_engine(args, d)
     t1 = time.perf_counter()
-    out = generate(model, [ids], params)[0]
+    try:
+        seq = engine.run([ids], params)[0]
+    finally:
+        engine.close()
     t2 = time.perf_counter()
-    text = tok.decode(out.token_ids) if tok is not None else None
-    log.info("load %.2fs, generate %.2fs", t1 - t0, t2 - t1)
+    if seq.finish_reason == "error":
+        raise RuntimeError(seq.error)
+    text = tok.decode(seq.output) if tok is not None else None
+    log.info("start %.2fs, generate %.2fs", t1 - t0, t2 - t1)
     if args.json:
-        print(json.dumps({"model": str(model_dir), "token_ids": out.token_ids, "text": text,
-                          "finish_reason": out.finish_reason,
-                          "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out.token_ids)},
-                          "timing_s": {"load": round(t1 - t0, 3), "generate": round(t2 - t1, 3)}}))
+        out = {"model": str(d), "token_ids": seq.output, "text": text, "finish_reason": seq.finish_reason,
+               "usage": {"prompt_tokens": len(ids), "completion_tokens": len(seq.output)},
+               "layout": {"stages": args.stages, "tp": args.tp, "ep": args.ep, "mtp": args.mtp},
+               "timing_s": {"start": round(t1 - t0, 3), "generate": round(t2 - t1, 3)}}
+        if args.mtp:
+            out["mtp"] = {"drafts": engine.stats.drafts_proposed, "accepted": engine.stats.drafts_accepted,
+                          "acceptance": engine.stats.acceptance,
+                          "decode_tokens_per_step": (len(seq.output) - 1) / max(seq.steps - 1, 1)}
+        print(json.dumps(out))
     else:
-        print(text if text is not None else ",".join(map(str, out.token_ids)))
+        print(text if text is not None else ",".join(map(str, seq.output)))
     return 0

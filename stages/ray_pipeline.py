@@ -17,7 +17,7 @@ import time
 import zmq
 
 from dist_glm5.config import ModelConfig
-from dist_glm5.messages import Hello, Shutdown, StepPlan, StepResult, WorkerError, pack, unpack
+from dist_glm5.messages import Hello, Shutdown, StepPlan, StepResult, StepTiming, WorkerError, pack, unpack
 from dist_glm5.partition import partition_layers
 
 from .coordinator import StageFailure
@@ -75,6 +75,7 @@ class RayPipeline:
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.coord_addr = f"tcp://{host}:{port}"
         self.actors, self.refs, self.pg = [], [], None
+        self.timings: list[StepTiming] = []  # per-step busy time of the non-sampling stages
         self._start()
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -204,6 +205,9 @@ class RayPipeline:
                 msg = unpack(raw)
                 if isinstance(msg, StepResult):
                     return msg
+                if isinstance(msg, StepTiming):
+                    self.timings.append(msg)
+                    continue
                 if isinstance(msg, WorkerError):
                     raise self._blame(msg)
                 continue

@@ -110,7 +110,9 @@ class StageWorker:
         if self.first:
             x = torch.tensor([t for w in plan.work for t in w.tokens], dtype=torch.int64)
         else:
+            tw = time.perf_counter()
             x = self.comm.recv_hidden((T, self.cfg.hidden_size), self.model.dtype, plan.step)
+            t0 += time.perf_counter() - tw  # waiting for the previous stage is not busy time
         h, _ = self.model(x, batch, self.cache)
         if not self.last:
             self.comm.send_hidden(h, plan.step)
@@ -196,7 +198,7 @@ def serve(spec: StageSpec, coord_addr: str, dist_init: str | None) -> None:
     results and errors out the same way; hidden states over torch.distributed."""
     import zmq
 
-    from dist_glm5.messages import Hello, Shutdown, WorkerError, pack, unpack
+    from dist_glm5.messages import Hello, Shutdown, StepTiming, WorkerError, pack, unpack
 
     from .comm import Comm
 
@@ -216,9 +218,13 @@ def serve(spec: StageSpec, coord_addr: str, dist_init: str | None) -> None:
             if isinstance(msg, Shutdown):
                 break
             step = msg.step
+            t0, s0, b0 = worker.busy, comm.send_seconds if comm else 0.0, comm.bytes_sent if comm else 0
             res = worker.step(msg)
             if res is not None:
                 sock.send(pack(res))
+            elif spec.rank == 0 and not worker.last:
+                sock.send(pack(StepTiming(msg.step, spec.stage, worker.busy - t0, comm.send_seconds - s0,
+                                          comm.bytes_sent - b0)))
     except Exception as e:  # reported, never swallowed: the coordinator fails the in-flight requests
         log.exception("%s failed", spec.name)
         sock.send(pack(WorkerError(spec.stage, spec.rank, step, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))

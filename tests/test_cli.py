@@ -51,3 +51,12 @@ def test_dist_glm5_launch_is_the_same_command(default_model_dir):
                         "--max-tokens", "3", "--json"], capture_output=True, text=True, timeout=300)
     a = _run("generate", "--prompt-ids", "1,2,3", "--max-tokens", "3", "--json")
     assert json.loads(r.stdout)["token_ids"] == json.loads(a.stdout)["token_ids"]
+
+
+def test_generate_with_layout_flags_matches_single_process(default_model_dir):
+    base = _run("generate", "--prompt-ids", "1,2,3,4,5", "--max-tokens", "6", "--json")
+    r = _run("generate", "--prompt-ids", "1,2,3,4,5", "--max-tokens", "6", "--json", "--stages", "2", "--mtp")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["token_ids"] == json.loads(base.stdout)["token_ids"]
+    assert out["layout"] == {"stages": 2, "tp": 1, "ep": 1, "mtp": True} and "acceptance" in out["mtp"]
