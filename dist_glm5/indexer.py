@@ -46,9 +46,11 @@ class Indexer(nn.Module):
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, head_dim: int) -> torch.Tensor:
-    # q: [B, n, Hi, D], w: [B, n, Hi] fp32, keys: [B, L, D] -> scores [B, n, L] fp32
-    s = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)[:, None]) * head_dim**-0.5)  # [B, n, Hi, L]
-    return torch.matmul(w.unsqueeze(-2), s).squeeze(-2)
+    # q: [..., n, Hi, D], w: [..., n, Hi] fp32, keys: [..., L, D] -> scores [..., n, L] fp32
+    # relu(x * s) == s * relu(x) for s > 0: the scale rides on the head weights (one pass fewer over the
+    # [n, Hi, L] buffer). Every selection path computes scores with this one function, so they agree bit for bit.
+    s = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(-3)).relu_()  # [..., n, Hi, L]
+    return torch.matmul((w * head_dim**-0.5).unsqueeze(-2), s).squeeze(-2)
 
 
 def select_topk_reference(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> torch.Tensor:

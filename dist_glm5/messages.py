@@ -63,6 +63,7 @@ class StepResult:
     step: int
     outputs: list[SeqOutput]
     stage_times: dict = field(default_factory=dict)  # "stage/rank" -> seconds busy on this step
+    peak_rss_mb: float = 0.0  # the reporting worker's peak resident memory so far
 
 
 @message
@@ -73,6 +74,7 @@ class StepTiming:
     busy_s: float
     send_s: float
     sent_bytes: int
+    peak_rss_mb: float = 0.0
 
 
 @message

@@ -9,11 +9,15 @@ The cache row per token is [kv_a_layernorm(latent) | roped k_rot].
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import dsa
 from .config import ModelConfig
+from .dsa import DSAConfig
 from .indexer import Indexer, index_scores, select_topk_reference
 from .kv_cache import SMALL_CHUNK, ForwardBatch, PagedKVCache
 from .norm import RMSNorm
@@ -65,6 +69,9 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.indexer = Indexer(cfg) if cfg.has_indexer(layer) else None
+        self.dsa = DSAConfig()  # set by Glm5Model.set_dsa; "reference" masks densely, "sparse" gathers
+        # (rank, ranks, exchange): indexer rows split over a stage's ranks (set by stages/tp.py)
+        self.row_split: tuple[int, int, Callable] | None = None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache,
                 cos: torch.Tensor, sin: torch.Tensor, prev_keep: list[torch.Tensor] | None
@@ -88,6 +95,9 @@ class MLA(nn.Module):
         elif prev_keep is None:
             raise ValueError(f"layer {self.layer} is a 'shared' DSA layer but no previous full layer's selection was passed")
 
+        if self.dsa.mode == "sparse":
+            return self._sparse(x, batch, q_nope, q_rot, kv_store, iq if self.indexer else None,
+                                iw if self.indexer else None, idx_store if self.indexer else None, prev_keep, h)
         out = torch.empty(T, h, self.v_dim, dtype=x.dtype)
         keeps = []
         for gi, g in enumerate(batch.groups):
@@ -103,4 +113,45 @@ class MLA(nn.Module):
             o = attn(q_nope[g.tok], q_rot[g.tok], rows[..., :self.kv_lora], rows[..., self.kv_lora:],
                      self.kv_b_proj.weight, keep, self.scale, self.nope)
             out[g.tok[g.valid]] = o[g.valid]
+        return self.o_proj(out.reshape(T, h * self.v_dim)), keeps
+
+    def _sparse(self, x, batch, q_nope, q_rot, kv_store, iq, iw, idx_store, prev_keep, h):
+        """The scaled path (dist_glm5/dsa.py): per-row bisection top-k, capped gathers, union windows."""
+        T = x.shape[0]
+        c = self.kv_lora
+        w = self.kv_b_proj.weight.view(h, -1, c)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
+        out = torch.empty(T, h, self.v_dim, dtype=x.dtype)
+        keeps = []
+        for gi, g in enumerate(batch.groups):
+            small = g.tok.shape[1] <= SMALL_CHUNK
+            gkeep, sel, sel_ok, toks_all = [], [], [], []
+            for bi in range(g.tok.shape[0]):
+                toks = g.tok[bi][g.valid[bi]]
+                qpos = g.q_pos[bi][g.valid[bi]]
+                L = int(qpos.max()) + 1
+                slots = g.slots[bi, :L]
+                if self.indexer is not None:
+                    keep = dsa.select(iq[toks], iw[toks], idx_store, slots, qpos, self.topk, self.indexer.head_dim,
+                                      self.dsa, self.row_split)
+                else:
+                    keep = prev_keep[gi][bi]
+                gkeep.append(keep)
+                q_lat = torch.einsum("nhd,hdc->nhc", q_nope[toks], w_uk)
+                if small:  # decode: gather exactly each row's selected keys
+                    s_, ok = dsa.selected_slots(keep, slots, self.topk)
+                    pad = self.topk - s_.shape[1]
+                    sel.append(torch.nn.functional.pad(s_, (0, pad), value=int(slots[0])))
+                    sel_ok.append(torch.nn.functional.pad(ok, (0, pad), value=False))
+                    toks_all.append((toks, q_lat))
+                else:
+                    o_lat = dsa.sparse_prefill(q_lat, q_rot[toks], kv_store, slots, keep, c, self.scale, self.dsa)
+                    out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(x.dtype), w_uv)
+            if small:
+                toks = torch.cat([t for t, _ in toks_all])
+                q_lat = torch.cat([q for _, q in toks_all])
+                o_lat = dsa.attend_gathered(q_lat, q_rot[toks], kv_store, torch.cat(sel), torch.cat(sel_ok), c,
+                                            self.scale, self.dsa.gather_cap_bytes)
+                out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(x.dtype), w_uv)
+            keeps.append(gkeep)
         return self.o_proj(out.reshape(T, h * self.v_dim)), keeps

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
+from .dsa import DSAConfig
 from .kv_cache import ForwardBatch, PagedKVCache
 from .layer import DecoderLayer
 from .mtp import MTPLayer
@@ -51,6 +52,13 @@ class Glm5Model(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
         self.has_mtp = mtp
         self.rope = RopeTable(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
+
+    def set_dsa(self, dsa: "DSAConfig") -> "Glm5Model":
+        """Choose the DSA attention path for every layer ('reference' or 'sparse', thresholds, gather cap)."""
+        for mod in self.modules():
+            if hasattr(mod, "dsa") and hasattr(mod, "kv_b_proj"):
+                mod.dsa = dsa
+        return self
 
     # ---- what this model (stage) owns --------------------------------------------------
     @property

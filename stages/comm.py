@@ -31,6 +31,19 @@ class Comm:
             dist.all_reduce(t, group=self.group)
         return t
 
+    def all_gather_mask(self, local: torch.Tensor, n: int, L: int) -> torch.Tensor:
+        """Each rank holds the keep-masks of its share of n query rows (ceil(n/R) per rank, the last
+        maybe fewer); exchange them bit-packed (L/8 bytes per row) so every rank has all n rows."""
+        from dist_glm5.topk import pack_mask, unpack_mask
+
+        per = -(-n // self.ranks)
+        buf = torch.zeros(per, L, dtype=torch.bool)
+        buf[:local.shape[0]] = local
+        packed = pack_mask(buf)
+        parts = [torch.empty_like(packed) for _ in range(self.ranks)]
+        dist.all_gather(parts, packed, group=self.group)
+        return unpack_mask(torch.cat(parts), L)[:n]
+
     def send_hidden(self, h: torch.Tensor, step: int) -> None:
         import time
 

@@ -5,6 +5,8 @@ flight: decodes first (one token, or [token, draft] with MTP), then prefill chun
 `chunk_tokens`, within `step_tokens`. With M micro-batches a plan takes at most ceil(active / M)
 sequences, so M plans can be in the pipeline at once and every stage stays busy.
 
+Consecutive prefill chunks of one sequence may be in flight together (a stage runs them in order,
+so chunk k+1 finds chunk k's cache): a long prompt keeps every stage busy on its own.
 A sequence's `num_computed` counts positions whose KV is valid on every stage. A rejected draft
 simply does not count: the next chunk starts at that position and overwrites it, on every stage
 and in the MTP layer's cache alike (caches are written by position).
@@ -27,8 +29,9 @@ class Sequence:
     params: SamplingParams
     output: list[int] = field(default_factory=list)
     num_computed: int = 0
+    num_scheduled: int = 0  # positions handed to the pipeline (ahead of num_computed while chunks fly)
     draft: int | None = None
-    in_flight: bool = False
+    in_flight: int = 0  # chunks of this sequence in the pipeline
     params_sent: bool = False
     finish_reason: str | None = None  # "stop", "length", "error"
     error: str | None = None
@@ -79,7 +82,8 @@ class Scheduler:
     def next_plan(self, step: int) -> StepPlan | None:
         while self.waiting and len(self.running) < self.cfg.max_seqs:
             self.running.append(self.waiting.popleft())
-        ready = [s for s in self.running if not s.in_flight and not s.finished]
+        ready = [s for s in self.running if not s.finished and
+                 (s.num_scheduled < len(s.prompt) if s.prefilling else not s.in_flight)]
         if not ready:
             if self.release:  # nothing to run, but caches to free: an empty plan carries the release
                 plan, self.release = StepPlan(step, [], self.release), []
@@ -95,8 +99,9 @@ class Scheduler:
             w = self._work_for(s, budget)
             budget -= len(w.tokens)
             work.append((s, w))
-        for s, _ in work:
-            s.in_flight = True
+        for s, w in work:
+            s.in_flight += 1
+            s.num_scheduled = w.start + len(w.tokens)
         plan = StepPlan(step, [w for _, w in work], self.release)
         self.release = []
         self.sent[step] = work
@@ -106,7 +111,7 @@ class Scheduler:
         params = None if s.params_sent else s.params
         s.params_sent = True
         if s.prefilling:
-            a = s.num_computed
+            a = s.num_scheduled
             b = min(len(s.prompt), a + min(self.cfg.chunk_tokens, budget))
             final = b == len(s.prompt)
             return SeqWork(s.seq_id, a, s.prompt[a:b], sample=final, params=params,
@@ -121,13 +126,13 @@ class Scheduler:
         by_seq = {o.seq_id: o for o in outputs}
         done = []
         for s, w in sent:
-            s.in_flight = False
+            s.in_flight -= 1
             s.steps += 1
             o = by_seq.get(s.seq_id)
             if o is None:
                 raise RuntimeError(f"step {step} returned no output for sequence {s.seq_id}")
             rejected = w.draft is not None and not o.accepted
-            s.num_computed = w.start + len(w.tokens) - int(rejected)
+            s.num_computed = max(s.num_computed, w.start + len(w.tokens) - int(rejected))
             s.prompt_logprobs += o.prompt_logprobs
             if w.draft is not None:
                 s.drafts_proposed += 1
@@ -172,7 +177,7 @@ class Scheduler:
         for s in failed:
             s.error = error
             s.finish_reason = "error"
-            s.in_flight = False
+            s.in_flight = 0
             self.by_id.pop(s.seq_id, None)
         self.running, self.sent, self.release = [], {}, []
         return failed

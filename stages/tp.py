@@ -59,7 +59,10 @@ def _split_experts_tp(mod, rank: int, ranks: int) -> None:
 
 
 def shard_tensor_parallel(model: Glm5Model, rank: int, ranks: int, ep: int,
-                          reduce: Callable[[torch.Tensor], torch.Tensor]) -> Glm5Model:
+                          reduce: Callable[[torch.Tensor], torch.Tensor],
+                          exchange_masks: Callable | None = None) -> Glm5Model:
+    """Split `model` for `rank` of `ranks`. exchange_masks(local, n, L) all-gathers DSA keep-masks:
+    with it the sparse indexer scores only this rank's share of the query rows."""
     if ranks == 1:
         return model
     if ep not in (1, ranks):
@@ -77,6 +80,8 @@ def shard_tensor_parallel(model: Glm5Model, rank: int, ranks: int, ep: int,
         H = a.o_proj.out_features
         a.o_proj = _linear(a.o_proj.weight.view(H, h, a.v_dim)[:, s].reshape(H, -1))
         layer.attn_reduce = reduce
+        if exchange_masks is not None and a.indexer is not None:
+            a.row_split = (rank, ranks, exchange_masks)
         if isinstance(layer.mlp, MoE):
             if layer.mlp.shared_experts is not None:
                 _split_mlp(layer.mlp.shared_experts, rank, ranks)

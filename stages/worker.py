@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dist_glm5.config import ModelConfig
+from dist_glm5.dsa import DSAConfig
 from dist_glm5.kv_cache import Chunk
 from dist_glm5.loader import load_model
 from dist_glm5.messages import SeqOutput, SeqWork, StepPlan, StepResult
@@ -30,6 +31,12 @@ from dist_glm5.shards import ShardedCheckpoint, is_sharded
 from .tp import shard_tensor_parallel
 
 log = logging.getLogger(__name__)
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,7 @@ class StageSpec:
     block_size: int = 64
     dtype: str | None = None
     threads: int | None = None
+    dsa: dict | None = None  # DSAConfig fields (mode "sparse" for long context)
 
     @property
     def name(self) -> str:
@@ -89,7 +97,8 @@ class StageWorker:
                                 shard=_shard_selection(spec.model_dir, spec), layers=layers, embed=self.first,
                                 head=self.last, mtp=self.last and spec.mtp, experts=experts)
         if spec.ranks > 1:
-            shard_tensor_parallel(self.model, spec.rank, spec.ranks, spec.ep, comm.all_reduce)
+            shard_tensor_parallel(self.model, spec.rank, spec.ranks, spec.ep, comm.all_reduce, comm.all_gather_mask)
+        self.model.set_dsa(DSAConfig(**spec.dsa) if spec.dsa else DSAConfig())
         self.cache = self.model.new_cache(spec.cache_blocks, spec.block_size)
         self.seqs: dict[int, SeqState] = {}
         self.eos = tuple(cfg.eos_token_id)
@@ -123,7 +132,7 @@ class StageWorker:
         self.busy += dt
         if self.spec.rank != 0:
             return None
-        return StepResult(plan.step, outputs, {f"{self.spec.stage}/{self.spec.rank}": dt})
+        return StepResult(plan.step, outputs, {f"{self.spec.stage}/{self.spec.rank}": dt}, peak_rss_mb())
 
     def _state(self, w: SeqWork) -> SeqState:
         st = self.seqs.get(w.seq_id)
@@ -224,7 +233,7 @@ def serve(spec: StageSpec, coord_addr: str, dist_init: str | None) -> None:
                 sock.send(pack(res))
             elif spec.rank == 0 and not worker.last:
                 sock.send(pack(StepTiming(msg.step, spec.stage, worker.busy - t0, comm.send_seconds - s0,
-                                          comm.bytes_sent - b0)))
+                                          comm.bytes_sent - b0, peak_rss_mb())))
     except Exception as e:  # reported, never swallowed: the coordinator fails the in-flight requests
         log.exception("%s failed", spec.name)
         sock.send(pack(WorkerError(spec.stage, spec.rank, step, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))

@@ -1,0 +1,97 @@
+"""Top-k selection at long context: the k-th largest score by bisection, not by sorting.
+
+Scores are fp32; each is mapped to an int32 key that orders like the float (flip the magnitude bits
+of negatives), so bisection over the 2^32 keys finds each row's exact k-th largest value in 32
+passes of compare-and-count, O(32 * L) per row with no sort and no [L] index buffers.
+Selection then keeps every score above the threshold and, among scores equal to it, the earliest
+keys: the tie rule of `indexer.select_topk_reference` (stable descending sort), so both select
+exactly the same keys. Rows with fewer than k finite scores keep all of their finite scores.
+
+Ranks exchange selections as bit-packed masks (1 bit per key).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def ordered_keys(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> int32 keys with key(a) < key(b) iff a < b (for non-NaN a, b; -0 sorts below +0)."""
+    b = x.contiguous().view(torch.int32)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+def key_to_float(k: torch.Tensor) -> torch.Tensor:
+    return (k ^ ((k >> 31) & 0x7FFFFFFF)).view(torch.float32)
+
+
+def kth_threshold_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """keys [..., L] int32 -> per row a key t with count(keys >= t) >= k and count(keys > t) < k... precisely:
+    either count(keys >= t) == k (the top-k set is exactly {keys >= t}), or t is the k-th largest key.
+
+    Bisection over the 2^32 key values; a row stops as soon as its count hits k exactly (typical
+    after ~log2(L) passes for distinct scores), the rest go on until the interval closes."""
+    lo = torch.full(keys.shape[:-1], _INT32_MIN, dtype=torch.int64)  # count(keys >= lo) >= k always
+    hi = torch.full(keys.shape[:-1], _INT32_MAX, dtype=torch.int64) + 1  # count(keys >= hi) < k always
+    done = torch.zeros(keys.shape[:-1], dtype=torch.bool)
+    for _ in range(33):  # the width halves each pass
+        mid = (lo + hi) // 2
+        cnt = (keys >= mid[..., None].to(torch.int32)).sum(-1)
+        exact = (cnt == k) & ~done
+        ok = cnt >= k
+        lo = torch.where(ok & ~done, mid, lo)
+        hi = torch.where(~ok & ~done, mid, hi)
+        done |= exact | (hi - lo <= 1)
+        if bool(done.all()):
+            break
+    return lo.to(torch.int32)
+
+
+def kth_largest_bisect(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [..., L] fp32 -> the k-th largest value of each row [...] (== torch.topk(.., k).values[..., -1]).
+
+    Exact for any values including ties, -inf and +inf; k must be <= L."""
+    L = scores.shape[-1]
+    if not 1 <= k <= L:
+        raise ValueError(f"k={k} must be in 1..{L}")
+    keys = ordered_keys(scores.float())
+    t = kth_threshold_keys(keys, k)
+    # the k-th largest is the smallest key >= t (t itself when the interval closed on it)
+    big = torch.full_like(keys, _INT32_MAX)
+    return key_to_float(torch.where(keys >= t[..., None], keys, big).amin(-1))
+
+
+def select_topk_bisect(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> torch.Tensor:
+    """Boolean keep-mask [..., L]: each query's top-min(topk, valid) causal keys, ties to earlier keys.
+
+    Same contract and result as indexer.select_topk_reference; scores [..., L], q_pos [...]."""
+    L = scores.shape[-1]
+    causal = torch.arange(L) <= q_pos[..., None]
+    if topk >= L:
+        return causal
+    s = scores.float().masked_fill(~causal, float("-inf"))
+    k = min(topk, L)
+    keys = ordered_keys(s)
+    t = kth_threshold_keys(keys, k)[..., None]
+    above = keys > t
+    need = k - above.sum(-1, keepdim=True)  # how many keys equal to t to keep (0 when {>= t} had exactly k)
+    tie = keys == t
+    keep = above | (tie & (tie.cumsum(-1) <= need))
+    return keep & causal
+
+
+def pack_mask(m: torch.Tensor) -> torch.Tensor:
+    """bool [..., L] -> uint8 [..., ceil(L/8)], bit j of byte i is key 8i+j."""
+    L = m.shape[-1]
+    pad = (-L) % 8
+    if pad:
+        m = torch.nn.functional.pad(m, (0, pad))
+    w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    return (m.view(*m.shape[:-1], -1, 8).to(torch.uint8) * w).sum(-1, dtype=torch.uint8)
+
+
+def unpack_mask(p: torch.Tensor, L: int) -> torch.Tensor:
+    bits = (p[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.reshape(*p.shape[:-1], -1)[..., :L].bool()
