@@ -50,9 +50,16 @@ def serve(model_dir, stages, tp, ep, mtp=False, **kw):
                        step_timeout=120)
 
 
-@pytest.mark.parametrize("stages,tp,ep,mtp", [(2, 1, 1, False), (1, 2, 2, False), (2, 2, 2, True), (2, 2, 1, False)])
-def test_layouts_equal_single_process(cluster, default_model_dir, want, stages, tp, ep, mtp):
-    c = serve(default_model_dir, stages, tp, ep, mtp)
+SPARSE = {"mode": "sparse", "dense_threshold": 0, "window": 16}
+
+
+@pytest.mark.parametrize("stages,tp,ep,mtp,dsa", [(2, 1, 1, False, None), (1, 2, 2, False, None), (2, 2, 2, True, None),
+                                                  (2, 2, 1, False, None), (1, 2, 2, False, SPARSE),
+                                                  (2, 2, 2, True, SPARSE)])
+def test_layouts_equal_single_process(cluster, default_model_dir, want, stages, tp, ep, mtp, dsa):
+    """Sparse DSA rows: the indexer's query rows are split over the 2 ranks, which exchange bit-packed
+    selections; prompts of 70 and 150 tokens and the decodes after them exceed index_topk=64."""
+    c = serve(default_model_dir, stages, tp, ep, mtp, dsa=dsa)
     try:
         if stages == 2:  # one stage per node
             assert len(set(c.pipeline.node_of_stage.values())) == 2

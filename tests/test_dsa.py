@@ -1,0 +1,128 @@
+"""The scaled sparse-DSA path against the dense reference it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_glm5.dsa as dsa
+from dist_glm5.config import ModelConfig
+from dist_glm5.dsa import DSAConfig, gather_plan
+from dist_glm5.generate import full_logits, generate
+from dist_glm5.indexer import select_topk_reference
+from dist_glm5.kv_cache import Chunk
+from dist_glm5.loader import load_model
+from dist_glm5.sampling import SamplingParams
+from dist_glm5.topk import kth_largest_bisect, pack_mask, select_topk_bisect, unpack_mask
+from runtime_util import prompts
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize("rows", [
+    torch.randn(6, 257, generator=torch.Generator().manual_seed(0)),
+    torch.randint(-2, 3, (5, 100), generator=torch.Generator().manual_seed(1)).float(),  # many ties
+    torch.full((3, 50), 0.75),  # all equal
+    torch.tensor([[-INF] * 8 + [1.0, 2.0], [INF, 3.0, 3.0, -1.0, -INF, 0.0, -0.0, 2.0, 2.0, 1e-45]]),
+    torch.tensor([[1e38, -1e38, 1e-38, -1e-38, 3.4e38, -3.4e38, 0.0, 5.0]]),
+])
+def test_bisection_kth_equals_torch_topk(rows):
+    for k in sorted({1, 2, 3, rows.shape[-1] // 2, rows.shape[-1]}):
+        assert torch.equal(kth_largest_bisect(rows, k), rows.topk(k).values[..., -1]), k
+
+
+def test_bisection_selection_equals_the_reference_tie_rule():
+    g = torch.Generator().manual_seed(2)
+    for trial in range(30):
+        L = int(torch.randint(3, 400, (), generator=g))
+        s = torch.randint(-3, 4, (9, L), generator=g).float()  # heavy ties
+        if trial % 3 == 0:
+            s = torch.randn(9, L, generator=g)
+        q = torch.randint(0, L, (9,), generator=g)
+        q[0] = 0  # a row with a single valid key (fewer than k)
+        for k in (1, 4, 64, 1000):
+            assert torch.equal(select_topk_bisect(s, q, k), select_topk_reference(s, q, k)), (trial, k)
+
+
+def test_masks_pack_to_bits():
+    m = torch.rand(4, 77, generator=torch.Generator().manual_seed(3)) > 0.5
+    p = pack_mask(m)
+    assert p.dtype == torch.uint8 and p.shape == (4, 10)
+    assert torch.equal(unpack_mask(p, 77), m)
+
+
+CONFIGS = {
+    "union windows": DSAConfig(mode="sparse", dense_threshold=0, window=16, union_max_frac=1.0),
+    "dense with the selection as mask": DSAConfig(mode="sparse", dense_threshold=0, union_max_frac=1e-9),
+    "dense below the threshold": DSAConfig(mode="sparse"),
+    "tiny gather cap": DSAConfig(mode="sparse", dense_threshold=0, window=8, gather_cap_bytes=24 * 1024,
+                                 indexer_row_chunk=7),
+}
+
+
+@pytest.fixture(scope="module")
+def sparse_models(default_model_dir):
+    return {name: load_model(default_model_dir).set_dsa(c) for name, c in CONFIGS.items()}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_sparse_logits_and_greedy_tokens_match_reference(default_model, sparse_models, name):
+    sp = sparse_models[name]
+    ps = prompts([300, 130, 5], seed=4)  # longer and shorter than index_topk=64
+    for p in ps[:2]:
+        err = (full_logits(sp, p) - full_logits(default_model, p)).abs().max().item()
+        assert err <= 1e-4, (name, err)
+    P = SamplingParams(max_tokens=24, ignore_eos=True)  # decode crosses 64 keys for the short prompt too
+    assert [g.token_ids for g in generate(sp, ps, P)] == [g.token_ids for g in generate(default_model, ps, P)]
+
+
+def test_sparse_selects_exactly_the_reference_keys(default_model, sparse_models):
+    sp = sparse_models["union windows"]
+    ids = prompts([200], seed=5)[0]
+    keeps = {}
+    for name, m in (("ref", default_model), ("sparse", sp)):
+        cache = m.new_cache(8, 64)
+        b = cache.prepare([Chunk(0, 0, 200)])
+        with torch.no_grad():
+            x = m.embed(torch.tensor(ids))
+            cos, sin = m.rope.lookup(b.positions)
+            layer = m.model.layers["0"]
+            _, keep = layer.self_attn(layer.input_layernorm(x), b, cache, cos, sin, None)
+        keeps[name] = keep[0][0] if name == "sparse" else keep[0][0]
+    assert keeps["ref"].shape == keeps["sparse"].shape == (200, 200)
+    assert torch.equal(keeps["ref"], keeps["sparse"])
+    assert keeps["sparse"].sum(-1).max() == 64  # sparsity is real at this length
+
+
+def test_every_gather_in_a_run_stays_under_the_cap(sparse_models):
+    sp = sparse_models["tiny gather cap"]
+    dsa.GATHER_LOG = []
+    try:
+        generate(sp, prompts([250, 90], seed=6), SamplingParams(max_tokens=6, ignore_eos=True))
+        assert dsa.GATHER_LOG and max(dsa.GATHER_LOG) <= 24 * 1024
+    finally:
+        dsa.GATHER_LOG = None
+
+
+@pytest.mark.parametrize("context", [131072, 652288])
+@pytest.mark.parametrize("tp,batch,chunk", [(8, 64, 2048), (1, 256, 8192)])
+def test_no_gather_exceeds_the_cap_at_real_glm5_shapes(context, tp, batch, chunk):
+    cfg = ModelConfig()  # GLM-5: hidden 6144, 64 heads, kv_lora 512 + rope 64, indexer 32 x 128, top-2048
+    cap = DSAConfig(mode="sparse").gather_cap_bytes
+    plan = gather_plan(cfg, context, chunk, DSAConfig(mode="sparse"), tp=tp, batch=batch)
+    assert len(plan) >= 8
+    too_big = [(w, b) for w, b in plan if b > cap]
+    assert not too_big, too_big
+
+
+def test_no_nan_with_padding_blocks(default_model, sparse_models):
+    ps = prompts([3, 200, 1, 65], seed=7)  # decode groups pad short sequences up to the longest
+    for m in (default_model, sparse_models["union windows"]):
+        cache = m.new_cache(32, 16)
+        with torch.no_grad():
+            b = cache.prepare([Chunk(i, 0, len(p)) for i, p in enumerate(ps)])
+            h, _ = m(torch.tensor([t for p in ps for t in p]), b, cache)
+            assert torch.isfinite(h).all()
+            b = cache.prepare([Chunk(i, len(p), 1) for i, p in enumerate(ps)])  # one padded decode group
+            h, _ = m(torch.tensor([1, 2, 3, 4]), b, cache)
+            assert torch.isfinite(h).all() and torch.isfinite(m.logits(m.final_norm(h))).all()
