@@ -33,20 +33,38 @@ def kth_threshold_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
 
     Bisection over the 2^32 key values; a row stops as soon as its count hits k exactly (typical
     after ~log2(L) passes for distinct scores), the rest go on until the interval closes."""
-    lo = torch.full(keys.shape[:-1], _INT32_MIN, dtype=torch.int64)  # count(keys >= lo) >= k always
-    hi = torch.full(keys.shape[:-1], _INT32_MAX, dtype=torch.int64) + 1  # count(keys >= hi) < k always
-    done = torch.zeros(keys.shape[:-1], dtype=torch.bool)
+    shape, L = keys.shape[:-1], keys.shape[-1]
+    keys = keys.reshape(-1, L)
+    lo = torch.full(keys.shape[:1], _INT32_MIN, dtype=torch.int64)  # count(keys >= lo) >= k always
+    hi = torch.full(keys.shape[:1], _INT32_MAX, dtype=torch.int64) + 1  # count(keys >= hi) < k always
+    n_lo = torch.full(keys.shape[:1], L, dtype=torch.int64)  # count(keys >= lo)
+    n_hi = torch.zeros(keys.shape[:1], dtype=torch.int64)  # count(keys >= hi)
+    done = torch.zeros(keys.shape[:1], dtype=torch.bool)
+    base = torch.zeros_like(n_hi)  # keys counted above the working set (after compaction)
+    work = keys
     for _ in range(33):  # the width halves each pass
         mid = (lo + hi) // 2
-        cnt = (keys >= mid[..., None].to(torch.int32)).sum(-1)
-        exact = (cnt == k) & ~done
+        cnt = (work >= mid[:, None].to(torch.int32)).sum(-1) + base
         ok = cnt >= k
-        lo = torch.where(ok & ~done, mid, lo)
-        hi = torch.where(~ok & ~done, mid, hi)
-        done |= exact | (hi - lo <= 1)
+        upd = ~done
+        lo, n_lo = torch.where(ok & upd, mid, lo), torch.where(ok & upd, cnt, n_lo)
+        hi, n_hi = torch.where(~ok & upd, mid, hi), torch.where(~ok & upd, cnt, n_hi)
+        done |= (cnt == k) | (hi - lo <= 1)
         if bool(done.all()):
             break
-    return lo.to(torch.int32)
+        # Once few keys remain between lo and hi, keep only those (padded) and count over them:
+        # every later pass reads a small [rows, C] block instead of the whole row.
+        in_range = (n_lo - n_hi)[~done]
+        if work is keys and int(in_range.max()) * 16 <= L:
+            # hi may still be 2^31 (no upper bound found yet): compare in int64
+            sel = (keys >= lo[:, None].to(torch.int32)) & (keys.long() < hi[:, None]) & ~done[:, None]
+            C = max(1, int(sel.sum(-1).max()))
+            pos = torch.where(sel, sel.cumsum(-1) - 1, C)  # slot C collects what is dropped
+            work = torch.full((keys.shape[0], C + 1), _INT32_MIN, dtype=torch.int32)
+            work.scatter_(1, pos, torch.where(sel, keys, _INT32_MIN))
+            work = work[:, :C]
+            base = n_hi
+    return lo.to(torch.int32).reshape(shape)
 
 
 def kth_largest_bisect(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -71,6 +71,7 @@ class Stats:
     drafts_proposed: int = 0
     drafts_accepted: int = 0
     stage_busy: dict = field(default_factory=dict)
+    peak_rss_mb: float = 0.0  # the last stage's (the one that reports results)
 
     @property
     def acceptance(self) -> float | None:
@@ -125,6 +126,7 @@ class Coordinator:
             return self._fail(e)
         self.in_flight -= 1
         self.stats.steps += 1
+        self.stats.peak_rss_mb = max(self.stats.peak_rss_mb, res.peak_rss_mb)
         for k, v in res.stage_times.items():
             self.stats.stage_busy[k] = self.stats.stage_busy.get(k, 0.0) + v
         done = self.scheduler.on_result(res.step, res.outputs)
