@@ -59,10 +59,12 @@ def stage_weight_bytes(cfg: ModelConfig, layers: range, first: bool, last: bool,
         total += moe if cfg.is_moe_layer(i) else dense
         if i >= cfg.num_hidden_layers:
             total += (2 * H * H + 3 * H) * dtype_bytes  # eh_proj and the MTP norms
+    # embedding and lm_head are vocab-parallel over the TP ranks (as vLLM's VocabParallelEmbedding /
+    # ParallelLMHead); q_a/kv_a projections, the indexer and the router are replicated on every rank
     if first or mtp:
-        total += cfg.vocab_size * H * dtype_bytes
+        total += cfg.vocab_size * H * dtype_bytes // tp
     if last:
-        total += (cfg.vocab_size * H + H) * dtype_bytes
+        total += cfg.vocab_size * H * dtype_bytes // tp + H * dtype_bytes
     return total
 
 
