@@ -28,14 +28,6 @@ RULES = ("quark", "ocp")
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 # ---------------------------------------------------------------------------------------------
 # Pure-Python reference for one block
 # ---------------------------------------------------------------------------------------------

@@ -32,14 +32,6 @@ from dist_glm5.mxfp4 import decode, encode
 logger = logging.getLogger(__name__)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def quark_encode():
     pytest.importorskip("quark.torch", reason="amd-quark not installed")
