@@ -102,8 +102,10 @@ class PagedKVCache:
                  dtype: torch.dtype = torch.float32):
         self.alloc = BlockAllocator(num_blocks, block_size)
         n = num_blocks * block_size
-        self.kv = {l: torch.zeros(n, cfg.kv_cache_dim, dtype=dtype) for l in layers}
-        self.index_k = {l: torch.zeros(n, cfg.index_head_dim, dtype=dtype) for l in layers if cfg.has_indexer(l)}
+        # empty, not zeros: only written slots are ever read (padding repeats a written slot), and
+        # untouched pages of a long-context cache then cost no memory until used
+        self.kv = {l: torch.empty(n, cfg.kv_cache_dim, dtype=dtype) for l in layers}
+        self.index_k = {l: torch.empty(n, cfg.index_head_dim, dtype=dtype) for l in layers if cfg.has_indexer(l)}
         self.lengths: dict[int, int] = {}
 
     @property

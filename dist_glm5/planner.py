@@ -68,6 +68,11 @@ def stage_weight_bytes(cfg: ModelConfig, layers: range, first: bool, last: bool,
     return total
 
 
+def model_weight_bytes(cfg: ModelConfig, experts_format: str = "mxfp4", mtp: bool = False, dtype_bytes: int = 2) -> int:
+    """The whole model's weights, unsharded (the figure a release's size is quoted in)."""
+    return stage_weight_bytes(cfg, range(cfg.num_hidden_layers), True, True, mtp, 1, 1, dtype_bytes, experts_format)
+
+
 def worker_memory(cfg: ModelConfig, layers: range, first: bool, last: bool, mtp: bool, cache_tokens: int,
                   chunk_tokens: int, context: int, tp: int = 1, ep: int = 1, dtype_bytes: int = 2,
                   cache_bytes: int | None = None, dsa: DSAConfig = DSAConfig(), backend: str = "cpu",

@@ -34,7 +34,7 @@ def model_dir(args: argparse.Namespace) -> Path:
     return d
 
 
-def build_engine(args: argparse.Namespace, d: Path):
+def build_engine(args: argparse.Namespace, d: Path, max_model_len: int | None = None, dsa: dict | None = None):
     """The coordinator over an in-process pipeline (one stage, one rank, no Ray) or Ray actors."""
     from dist_glm5.config import ModelConfig
     from dist_glm5.stages.coordinator import Coordinator, InProcessPipeline
@@ -45,13 +45,14 @@ def build_engine(args: argparse.Namespace, d: Path):
     cfg = ModelConfig.from_hf(d)
     if args.stages * max(args.tp, args.ep) == 1 and not args.address:
         pipe = InProcessPipeline(StageSpec(str(d), mtp=args.mtp, cache_blocks=args.cache_blocks,
-                                           block_size=args.block_size, dtype=args.dtype, threads=args.threads))
+                                           block_size=args.block_size, dtype=args.dtype, threads=args.threads, dsa=dsa))
     else:
         from dist_glm5.stages.ray_pipeline import RayPipeline
 
         pipe = RayPipeline(str(d), stages=args.stages, tp=args.tp, ep=args.ep, mtp=args.mtp, address=args.address,
                            host=args.host, cache_blocks=args.cache_blocks, block_size=args.block_size,
-                           dtype=args.dtype, threads=args.threads or 1)
+                           dtype=args.dtype, threads=args.threads or 1, dsa=dsa)
     sched = SchedulerConfig(chunk_tokens=args.chunk_tokens, microbatches=args.microbatches, mtp=args.mtp,
-                            max_model_len=min(cfg.max_position_embeddings, args.cache_blocks * args.block_size))
+                            max_model_len=max_model_len or min(cfg.max_position_embeddings,
+                                                               args.cache_blocks * args.block_size))
     return Coordinator(pipe, sched, cfg.eos_token_id, cfg.vocab_size, load_tokenizer(d))
