@@ -1,0 +1,49 @@
+"""`launch batch`: exactly one result line per prompt, also after the job is killed halfway."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+LAUNCH = [sys.executable, "-c", "import sys; from dist_glm5.cli import launch_main; sys.exit(launch_main())"]
+
+
+def _lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def test_batch_killed_halfway_completes_on_rerun(tmp_path, default_model_dir):
+    inp = tmp_path / "prompts.jsonl"
+    jobs = [{"id": f"p{i}", "prompt": f"prompt number {i}", "max_tokens": 4 + 12 * i, "ignore_eos": True}
+            for i in range(6)]
+    jobs.append({"id": "bad", "prompt_ids": [1, 2, 999999]})  # fails: recorded on its line, nothing lost
+    inp.write_text("".join(json.dumps(j) + "\n" for j in jobs))
+    ref = tmp_path / "reference.jsonl"
+    r = subprocess.run([*LAUNCH, "batch", "--input", str(inp), "--output", str(ref)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = {x["id"]: x for x in _lines(ref)}
+    assert sorted(want) == sorted(j["id"] for j in jobs) and "outside" in want["bad"]["error"]
+
+    out = tmp_path / "results.jsonl"
+    p = subprocess.Popen([*LAUNCH, "batch", "--input", str(inp), "--output", str(out), "--microbatches", "1",
+                          "--chunk-tokens", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.monotonic()
+    while len(_lines(out)) < 3 and time.monotonic() - t0 < 120:
+        time.sleep(0.05)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    first = _lines(out)
+    assert 3 <= len(first) < len(jobs), len(first)
+    r = subprocess.run([*LAUNCH, "batch", "--input", str(inp), "--output", str(out)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = _lines(out)
+    ids = [x["id"] for x in got]
+    assert sorted(ids) == sorted(want) and len(ids) == len(set(ids))
+    for x in got:
+        assert x.get("token_ids") == want[x["id"]].get("token_ids") and x.get("error") == want[x["id"]].get("error")

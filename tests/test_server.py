@@ -1,0 +1,101 @@
+"""`launch single-node` and `launch two-node` as a user runs them, through the official openai client."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+LAUNCH = [sys.executable, "-c", "import sys; from dist_glm5.cli import launch_main; sys.exit(launch_main())"]
+
+
+def start(*args, env=None):
+    p = subprocess.Popen([*LAUNCH, *args, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, **(env or {})})
+    t0 = time.monotonic()
+    line = p.stdout.readline()
+    if not line:
+        p.kill()
+        raise AssertionError(p.stderr.read()[-3000:])
+    ready = json.loads(line)
+    ready["startup_s"] = time.monotonic() - t0
+    return p, ready
+
+
+def stop(p):
+    p.terminate()
+    try:
+        p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+
+
+@pytest.fixture(scope="module")
+def single(default_model_dir):
+    p, ready = start("single-node", "--ctx", "4k", "--api-key", "sekret")
+    yield openai.OpenAI(base_url=ready["url"], api_key="sekret", max_retries=0), ready
+    stop(p)
+
+
+def test_chat_and_streamed_completion(single):
+    client, ready = single
+    model = client.models.list().data[0].id
+    assert model == ready["model"]
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
+                                       temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 6
+    chunks = list(client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    whole = client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0)
+    assert text == whole.choices[0].text and whole.usage.completion_tokens == 8
+    assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_bad_requests_get_4xx_and_serving_goes_on(single):
+    client, ready = single
+    model = ready["model"]
+    for kw, status in [(dict(model="nope", prompt="x"), 404), (dict(model=model, prompt="x", max_tokens=-1), 400),
+                       (dict(model=model, prompt="x", extra_body={"bogus": 1}), 400),
+                       (dict(model=model, prompt="x" * 5000, max_tokens=4), 400),
+                       (dict(model=model, prompt=[1, 2, 99999]), 400)]:
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(**kw)
+        assert e.value.status_code == status and e.value.message, kw
+    import urllib.request
+
+    req = urllib.request.Request(ready["url"] + "/completions", data=b"{not json", method="POST",
+                                 headers={"Authorization": "Bearer sekret"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    assert e.value.code == 400 and b"invalid JSON" in e.value.read()
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=ready["url"], api_key="wrong", max_retries=0).models.list()
+    assert client.completions.create(model=model, prompt="ok", max_tokens=2).usage.completion_tokens == 2
+    metrics = urllib.request.urlopen(urllib.request.Request(ready["url"].replace("/v1", "/metrics"),
+                                                            headers={"Authorization": "Bearer sekret"})).read().decode()
+    assert "dist_glm5_requests_total" in metrics and "dist_glm5_time_to_first_token_seconds_count" in metrics
+
+
+def test_two_node_on_a_local_ray_cluster_gives_the_same_greedy_text(single, default_model_dir):
+    ray = pytest.importorskip("ray")
+    from dist_glm5.stages.ray_pipeline import local_cluster
+
+    client, ready = single
+    want = client.completions.create(model=ready["model"], prompt="Hello there", max_tokens=10, temperature=0)
+    cluster = local_cluster(2, cpus_per_node=2)
+    try:
+        p, r2 = start("two-node", "--ctx", "8k", "--address", cluster.address, "--mtp")
+        try:
+            c2 = openai.OpenAI(base_url=r2["url"], api_key="none", max_retries=0)
+            got = c2.completions.create(model=r2["model"], prompt="Hello there", max_tokens=10, temperature=0)
+            assert got.choices[0].text == want.choices[0].text
+        finally:
+            stop(p)
+    finally:
+        cluster.shutdown()
