@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .config import ModelConfig
 from .dsa import DSAConfig
 from .partition import partition_layers
-from .planner import GIB, WorkerMemory, stage_weight_bytes, worker_memory
+from .planner import GIB, WorkerMemory, stage_expert_bytes, stage_weight_bytes, worker_memory
 
 GB = 10**9
 
@@ -45,6 +45,7 @@ class CardPlan:
     memory: WorkerMemory
     headroom: int
     capacity: int
+    expert_weights: int = 0  # the routed experts' part of memory.weights
 
     @property
     def needed(self) -> int:
@@ -88,7 +89,11 @@ def plan(cfg: ModelConfig, layout: Layout, context: int, weights_format: str | N
         if fmt == "fp8":
             mem = WorkerMemory(_fp8_weight_bytes(cfg, layers, first, last, mtp, R, R), mem.mla_cache,
                                mem.indexer_cache, mem.workspace, mem.runtime)
-        out.append(CardPlan(s, layers, mem, int(headroom_frac * layout.hw.memory_per_card), layout.hw.memory_per_card))
+        experts = stage_expert_bytes(cfg, layers, mtp, R, R, 2, "mxfp4" if fmt == "mxfp4" else "bf16")
+        if fmt == "fp8":
+            experts = experts // 2
+        out.append(CardPlan(s, layers, mem, int(headroom_frac * layout.hw.memory_per_card), layout.hw.memory_per_card,
+                            experts))
     return out
 
 
@@ -131,11 +136,12 @@ def table(cards: list[CardPlan], layout: Layout, context: int, fmt: str) -> str:
     rows = [f"plan: {layout.nodes} node(s) x {layout.hw.cards_per_node} {layout.hw.name} cards "
             f"({layout.hw.memory_per_card / GB:.0f} GB), {context // 1024}K context, {fmt} weights, "
             f"PP={layout.nodes} TP=EP={layout.ranks} (computed, not measured)",
-            f"{'stage':>5} {'layers':>9} {'weights':>9} {'MLA cache':>10} {'indexer':>8} {'workspace':>10} "
+            f"{'stage':>5} {'layers':>9} {'experts':>8} {'other wt':>9} {'MLA cache':>10} {'indexer':>8} {'workspace':>10} "
             f"{'runtime':>8} {'headroom':>9} {'total':>8} {'of':>5}  fits"]
     for c in cards:
         m = c.memory
-        rows.append(f"{c.stage:>5} {c.layers.start:>4}-{c.layers.stop - 1:<4} {m.weights / GB:>8.1f}G {m.mla_cache / GB:>9.1f}G "
+        rows.append(f"{c.stage:>5} {c.layers.start:>4}-{c.layers.stop - 1:<4} {c.expert_weights / GB:>7.1f}G "
+                    f"{(m.weights - c.expert_weights) / GB:>8.1f}G {m.mla_cache / GB:>9.1f}G "
                     f"{m.indexer_cache / GB:>7.1f}G {m.workspace / GB:>9.1f}G {m.runtime / GB:>7.1f}G "
                     f"{c.headroom / GB:>8.1f}G {c.needed / GB:>7.1f}G {c.capacity / GB:>4.0f}G  {'yes' if c.fits else 'NO'}")
     return "\n".join(rows)

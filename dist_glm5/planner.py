@@ -35,6 +35,17 @@ class WorkerMemory:
         return sum(getattr(self, f.name) for f in fields(self))
 
 
+def stage_expert_bytes(cfg: ModelConfig, layers: range, mtp: bool, tp: int = 1, ep: int = 1, dtype_bytes: int = 2,
+                       experts_format: str | None = None) -> int:
+    """The routed experts' share of stage_weight_bytes (MXFP4: packed elements + E8M0 scales)."""
+    fmt = experts_format or cfg.experts_format
+    e = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    per = e // 2 + e // 32 if fmt == "mxfp4" else e * dtype_bytes
+    local = cfg.n_routed_experts // ep if ep > 1 else cfg.n_routed_experts
+    own = list(layers) + ([cfg.num_hidden_layers + j for j in range(cfg.num_nextn_predict_layers)] if mtp else [])
+    return sum(cfg.is_moe_layer(i) for i in own) * local * per // (tp if ep == 1 else 1)
+
+
 def stage_weight_bytes(cfg: ModelConfig, layers: range, first: bool, last: bool, mtp: bool, tp: int = 1, ep: int = 1,
                        dtype_bytes: int = 2, experts_format: str | None = None) -> int:
     """Bytes of the weights one rank of a stage holds."""
