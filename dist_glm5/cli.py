@@ -15,6 +15,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     launch.register(sub.add_parser("launch", help="run the model: generate, ..."))
     convert.register(sub.add_parser("convert", help="checkpoint converters: glm53, ..."))
+    from dist_glm5.launch import placement
+
+    placement.register(sub.add_parser("placement", help="expert routes and expert-to-rank placement"))
     bench.register(sub.add_parser("bench", help="benchmarks, printed as ratios measured side by side"))
     return p
 

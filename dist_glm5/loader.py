@@ -41,7 +41,7 @@ class _Source:
     shape: tuple[int, ...]  # expected shape in the checkpoint
     dtypes: tuple[torch.dtype, ...]  # allowed checkpoint dtypes
     assign: Callable[[torch.Tensor], None]
-    rows: range | None = None  # stacked experts: the expert rows needed (the tensor may hold more)
+    rows: range | list[int] | None = None  # stacked experts: the expert rows needed (the tensor may hold more)
 
 
 def _dtype_of(cfg: ModelConfig) -> torch.dtype:
@@ -59,7 +59,18 @@ def _copy_into(dst: torch.Tensor, index=None, rows: slice | None = None):
     return assign
 
 
-def _expected(model: Glm5Model, ckpt: Checkpoint) -> dict[str, _Source]:
+def _layer_of_module(mname: str) -> int:
+    return int(mname.split(".")[2])
+
+
+def local_expert_ids(model: Glm5Model, layer: int, placement: dict[int, list[int]] | None) -> list[int]:
+    """The checkpoint expert ids this model holds in `layer`, in its local order: a contiguous range of
+    expert positions, which a placement maps to any set of experts."""
+    perm = (placement or {}).get(layer)
+    return [perm[j] for j in model.experts] if perm is not None else list(model.experts)
+
+
+def _expected(model: Glm5Model, ckpt: Checkpoint, placement: dict[int, list[int]] | None = None) -> dict[str, _Source]:
     """Map every checkpoint name the model needs to its shape, allowed dtypes and destination."""
     cfg = model.cfg
     wdt = _dtype_of(cfg)
@@ -72,15 +83,16 @@ def _expected(model: Glm5Model, ckpt: Checkpoint) -> dict[str, _Source]:
         out[name] = _Source(tuple(t.shape), ok, _copy_into(t.data))
     I, H = cfg.moe_intermediate_size, cfg.hidden_size
     for mname, mod in experts.items():
+        ids = local_expert_ids(model, _layer_of_module(mname), placement)
+        rows = range(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[-1] + 1)) else ids
         if isinstance(mod, MXFP4Experts):
             for t in MXFP4_EXPERT_TENSORS:
                 buf = getattr(mod, t)
-                out[f"{mname}.routed_experts.{t}"] = _Source(tuple(buf.shape), (torch.uint8,), _copy_into(buf),
-                                                             rows=range(mod.first_expert, mod.first_expert + mod.num_local))
+                out[f"{mname}.routed_experts.{t}"] = _Source(tuple(buf.shape), (torch.uint8,), _copy_into(buf), rows=rows)
             continue
         w13, w2 = mod.w13_weight.data, mod.w2_weight.data
-        for e in range(mod.num_local):
-            pre = f"{mname}.{mod.first_expert + e}"
+        for e, g in enumerate(ids):
+            pre = f"{mname}.{g}"
             out[f"{pre}.gate_proj.weight"] = _Source((I, H), (wdt,), _copy_into(w13, (e, slice(0, I))))
             out[f"{pre}.up_proj.weight"] = _Source((I, H), (wdt,), _copy_into(w13, (e, slice(I, 2 * I))))
             out[f"{pre}.down_proj.weight"] = _Source((H, I), (wdt,), _copy_into(w2, e))
@@ -100,7 +112,7 @@ def _expected(model: Glm5Model, ckpt: Checkpoint) -> dict[str, _Source]:
     return out
 
 
-def _owned_elsewhere(model: Glm5Model, name: str) -> bool:
+def _owned_elsewhere(model: Glm5Model, name: str, placement: dict[int, list[int]] | None = None) -> bool:
     """True for tensors that belong to another pipeline stage or expert-parallel rank."""
     cfg = model.cfg
     m = _LAYER.match(name)
@@ -111,8 +123,9 @@ def _owned_elsewhere(model: Glm5Model, name: str) -> bool:
                 return True
         elif i not in model.layer_range:
             return True
-    m = _PER_EXPERT.search(name)
-    if m and int(m.group(1)) not in model.experts and int(m.group(1)) < cfg.n_routed_experts:
+    e = _PER_EXPERT.search(name)
+    if e and m and int(e.group(1)) < cfg.n_routed_experts and \
+            int(e.group(1)) not in local_expert_ids(model, int(m.group(1)), placement):
         return True  # another expert-parallel rank's expert
     if name.startswith("model.embed_tokens."):
         return model.model.embed_tokens is None
@@ -121,7 +134,8 @@ def _owned_elsewhere(model: Glm5Model, name: str) -> bool:
     return False
 
 
-def check_checkpoint(model: Glm5Model, ckpt: Checkpoint, where: str | Path) -> dict[str, _Source]:
+def check_checkpoint(model: Glm5Model, ckpt: Checkpoint, where: str | Path,
+                     placement: dict[int, list[int]] | None = None) -> dict[str, _Source]:
     """Compare the checkpoint's headers with what `model` needs, in both directions; raise listing every problem."""
     q = model.cfg.quantization_config or {}
     if q.get("quant_method") == "quark":
@@ -130,10 +144,10 @@ def check_checkpoint(model: Glm5Model, ckpt: Checkpoint, where: str | Path) -> d
     if q and model.cfg.experts_format == "float":
         raise CheckpointError(f"{where}: quantization_config {q.get('quant_method')!r} is not served; "
                               "serve the BF16 release converted with `dist-glm5 convert glm53`")
-    expected = _expected(model, ckpt)
+    expected = _expected(model, ckpt, placement)
     have = set(ckpt.names())
     missing = sorted(set(expected) - have)
-    unused = sorted(n for n in have - set(expected) if not _owned_elsewhere(model, n))
+    unused = sorted(n for n in have - set(expected) if not _owned_elsewhere(model, n, placement))
     problems = []
     if missing:
         problems.append(f"{len(missing)} tensor(s) the model needs are missing: {_show(missing)}")
@@ -146,10 +160,13 @@ def check_checkpoint(model: Glm5Model, ckpt: Checkpoint, where: str | Path) -> d
         if src.rows is not None:  # stacked experts: the checkpoint's rows must cover this rank's experts
             off = ckpt.row_offset(name) if hasattr(ckpt, "row_offset") else 0
             held = range(off, off + (info.shape[0] if info.shape else 0))
-            if info.shape[1:] != src.shape[1:] or src.rows.start not in held or src.rows.stop - 1 not in held:
+            if info.shape[1:] != src.shape[1:] or not all(r in held for r in (src.rows if isinstance(src.rows, list)
+                                                                                 else (src.rows.start, src.rows.stop - 1))):
                 problems.append(f"tensor {name} has shape {list(info.shape)} holding experts {held.start}..{held.stop - 1}, "
                                 f"expected [*, {', '.join(map(str, src.shape[1:]))}] covering experts "
-                                f"{src.rows.start}..{src.rows.stop - 1}")
+                                f"{min(src.rows)}..{max(src.rows)}")
+            elif isinstance(src.rows, list):
+                src.rows = [r - off for r in src.rows]
             else:
                 src.rows = range(src.rows.start - off, src.rows.stop - off)
         elif info.shape != src.shape:
@@ -162,16 +179,28 @@ def check_checkpoint(model: Glm5Model, ckpt: Checkpoint, where: str | Path) -> d
     return expected
 
 
-def load_checkpoint(model: Glm5Model, directory: str | Path, shard: tuple[int | None, int | None] = (None, None)
-                    ) -> dict[str, int]:
+def load_checkpoint(model: Glm5Model, directory: str | Path, shard: tuple[int | None, int | None] = (None, None),
+                    placement: dict[int, list[int]] | None = None) -> dict[str, int]:
     """Fill every weight of `model` from `directory` (plain, or sharded: `shard` = (stage, ep_rank)
-    selects the part to open); return counts of what was loaded."""
+    selects the part to open); return counts of what was loaded. With a placement (per MoE layer,
+    the checkpoint expert id at each expert position), experts and router rows are loaded permuted."""
     ckpt = open_checkpoint(directory, *shard)
-    expected = check_checkpoint(model, ckpt, directory)
+    expected = check_checkpoint(model, ckpt, directory, placement)
     with torch.no_grad():
         for name, src in expected.items():
             t = ckpt.get(name)
-            src.assign(t if src.rows is None else t[src.rows.start:src.rows.stop])
+            if isinstance(src.rows, list):
+                t = t.index_select(0, torch.tensor(src.rows))
+            elif src.rows is not None:
+                t = t[src.rows.start:src.rows.stop]
+            src.assign(t)
+        for layer, perm in (placement or {}).items():  # the router now names expert positions, not ids
+            key = str(layer)
+            if key in model.model.layers and hasattr(model.model.layers[key].mlp, "gate"):
+                gate = model.model.layers[key].mlp.gate
+                idx = torch.tensor(perm)
+                gate.weight.data = gate.weight.data[idx].contiguous()
+                gate.e_score_correction_bias.data = gate.e_score_correction_bias.data[idx].contiguous()
     skipped = len(ckpt.names()) - len(expected)
     log.info("loaded %d tensors (%d skipped as owned by other stages) from %s", len(expected), skipped, directory)
     return {"loaded": len(expected), "other_stages": skipped}
@@ -202,7 +231,7 @@ class _skip_init:
 
 
 def load_model(directory: str | Path, dtype: torch.dtype | None = None, shard: tuple[int | None, int | None] = (None, None),
-               **stage) -> Glm5Model:
+               placement: dict[int, list[int]] | None = None, **stage) -> Glm5Model:
     """Config + weights from a checkpoint directory. dtype: compute dtype (default: the config's).
     `stage` keywords (layers=, experts=, ...) build one pipeline stage / EP rank of the model."""
     cfg = ModelConfig.from_hf(directory)
@@ -212,7 +241,11 @@ def load_model(directory: str | Path, dtype: torch.dtype | None = None, shard: t
     for mname, mod in model.named_modules():  # the router computes in fp32 whatever the model dtype
         if mname.endswith("mlp.gate"):
             mod.float()
-    load_checkpoint(model, directory, shard)
+    if placement:
+        from .placement import check_placement
+
+        check_placement(cfg, placement)
+    load_checkpoint(model, directory, shard, placement)
     return model.eval()
 
 

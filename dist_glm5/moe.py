@@ -107,11 +107,14 @@ class MoE(nn.Module):
         experts = range(cfg.n_routed_experts) if experts is None else experts
         cls = MXFP4Experts if cfg.experts_format == "mxfp4" else Experts
         self.experts = cls(cfg, experts.start, len(experts))
+        self.recorder = None  # (RouteRecorder, layer) while routes are being recorded
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) \
             if cfg.n_shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, ids = self.gate(x)
+        if self.recorder is not None:
+            self.recorder[0].record(self.recorder[1], ids)
         y = self.experts(x, w, ids)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

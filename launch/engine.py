@@ -23,6 +23,7 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: the checkpoint's)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
+    p.add_argument("--placement", help="expert-to-rank placement JSON (dist-glm5 placement fit)")
 
 
 def model_dir(args: argparse.Namespace) -> Path:
@@ -43,15 +44,22 @@ def build_engine(args: argparse.Namespace, d: Path, max_model_len: int | None = 
     from dist_glm5.tokenizer import load_tokenizer
 
     cfg = ModelConfig.from_hf(d)
+    placement = None
+    if getattr(args, "placement", None):
+        from dist_glm5.placement import check_placement, load_placement
+
+        placement = load_placement(args.placement)
+        check_placement(cfg, placement)
     if args.stages * max(args.tp, args.ep) == 1 and not args.address:
         pipe = InProcessPipeline(StageSpec(str(d), mtp=args.mtp, cache_blocks=args.cache_blocks,
-                                           block_size=args.block_size, dtype=args.dtype, threads=args.threads, dsa=dsa))
+                                           block_size=args.block_size, dtype=args.dtype, threads=args.threads, dsa=dsa,
+                                           placement=placement))
     else:
         from dist_glm5.stages.ray_pipeline import RayPipeline
 
         pipe = RayPipeline(str(d), stages=args.stages, tp=args.tp, ep=args.ep, mtp=args.mtp, address=args.address,
                            host=args.host, cache_blocks=args.cache_blocks, block_size=args.block_size,
-                           dtype=args.dtype, threads=args.threads or 1, dsa=dsa)
+                           dtype=args.dtype, threads=args.threads or 1, dsa=dsa, placement=placement)
     sched = SchedulerConfig(chunk_tokens=args.chunk_tokens, microbatches=args.microbatches, mtp=args.mtp,
                             max_model_len=max_model_len or min(cfg.max_position_embeddings,
                                                                args.cache_blocks * args.block_size))

@@ -54,6 +54,7 @@ class StageSpec:
     dtype: str | None = None
     threads: int | None = None
     dsa: dict | None = None  # DSAConfig fields (mode "sparse" for long context)
+    placement: dict | None = None  # per MoE layer, the checkpoint expert at each position (dist_glm5/placement.py)
 
     @property
     def name(self) -> str:
@@ -94,7 +95,8 @@ class StageWorker:
         experts = expert_ranges(cfg.n_routed_experts, spec.ep)[spec.rank] if spec.ep > 1 else None
         t0 = time.perf_counter()
         self.model = load_model(spec.model_dir, dtype=getattr(torch, spec.dtype) if spec.dtype else None,
-                                shard=_shard_selection(spec.model_dir, spec), layers=layers, embed=self.first,
+                                shard=_shard_selection(spec.model_dir, spec), placement=spec.placement,
+                                layers=layers, embed=self.first,
                                 head=self.last, mtp=self.last and spec.mtp, experts=experts)
         if spec.ranks > 1:
             shard_tensor_parallel(self.model, spec.rank, spec.ranks, spec.ep, comm.all_reduce, comm.all_gather_mask)

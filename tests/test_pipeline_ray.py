@@ -71,6 +71,22 @@ def test_layouts_equal_single_process(cluster, default_model_dir, want, stages, 
         c.close()
 
 
+def test_placement_on_two_ep_ranks_keeps_outputs(cluster, default_model_dir, want):
+    from dist_glm5.loader import load_model
+    from dist_glm5.placement import RouteRecorder, attach, fit_placement
+
+    m = load_model(default_model_dir)
+    rec = RouteRecorder(m.cfg.n_routed_experts)
+    attach(m, rec)
+    generate(m, PROMPTS, GREEDY)
+    pl = fit_placement(rec.tensor(), 2, m.cfg)
+    c = serve(default_model_dir, 1, 2, 2, placement=pl)
+    try:
+        assert [s.output for s in c.run(PROMPTS, GREEDY, arrivals=ARRIVALS)] == want
+    finally:
+        c.close()
+
+
 def test_mxfp4_checkpoint_through_two_stages(cluster, default_model_dir, tmp_path):
     from dist_glm5.convert.glm53 import convert_glm53
     from dist_glm5.convert.shard import shard_checkpoint
