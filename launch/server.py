@@ -246,7 +246,10 @@ def make_handler(app: App):
                         if chat:
                             self._sse(chunk(role=True))
                         first = False
-                    upto = len(text) if kind == "done" else max(len(sent_text), len(text) - hold)
+                    # hold back a possible stop string, and a trailing partial character (a byte-level
+                    # tokenizer decodes an unfinished UTF-8 sequence as U+FFFD until its last byte arrives)
+                    stable = len(text.rstrip("\ufffd"))
+                    upto = len(text) if kind == "done" else max(len(sent_text), min(stable, len(text) - hold))
                     if text[len(sent_text):upto] and text.startswith(sent_text):
                         self._sse(chunk(text[len(sent_text):upto]))
                         sent_text = text[:upto]
