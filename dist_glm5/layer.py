@@ -12,6 +12,7 @@ from .kv_cache import ForwardBatch, PagedKVCache
 from .mla import MLA
 from .moe import MLP, MoE
 from .norm import RMSNorm
+from .profiler import PROF
 
 
 class DecoderLayer(nn.Module):
@@ -29,11 +30,15 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, cos: torch.Tensor,
                 sin: torch.Tensor, prev_keep: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         # x: [T, H] residual stream
-        a, keep = self.self_attn(self.input_layernorm(x), batch, cache, cos, sin, prev_keep)
+        with PROF.span("attention"):
+            a, keep = self.self_attn(self.input_layernorm(x), batch, cache, cos, sin, prev_keep)
         if self.attn_reduce is not None:
-            a = self.attn_reduce(a)
+            with PROF.span("all_reduce"):
+                a = self.attn_reduce(a)
         x = x + a
-        m = self.mlp(self.post_attention_layernorm(x))
+        with PROF.span("moe" if isinstance(self.mlp, MoE) else "mlp"):
+            m = self.mlp(self.post_attention_layernorm(x))
         if self.mlp_reduce is not None:
-            m = self.mlp_reduce(m)
+            with PROF.span("all_reduce"):
+                m = self.mlp_reduce(m)
         return x + m, keep

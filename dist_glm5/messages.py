@@ -64,6 +64,7 @@ class StepResult:
     outputs: list[SeqOutput]
     stage_times: dict = field(default_factory=dict)  # "stage/rank" -> seconds busy on this step
     peak_rss_mb: float = 0.0  # the reporting worker's peak resident memory so far
+    events: list = field(default_factory=list)  # profiler spans [name, start s, duration s, depth] when profiling
 
 
 @message
@@ -75,6 +76,8 @@ class StepTiming:
     send_s: float
     sent_bytes: int
     peak_rss_mb: float = 0.0
+    rank: int = 0
+    events: list = field(default_factory=list)
 
 
 @message

@@ -21,6 +21,7 @@ from .dsa import DSAConfig
 from .indexer import Indexer, index_scores, select_topk_reference
 from .kv_cache import SMALL_CHUNK, ForwardBatch, PagedKVCache
 from .norm import RMSNorm
+from .profiler import PROF
 from .rope import apply_rope
 
 def mla_expanded(q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
@@ -89,7 +90,8 @@ class MLA(nn.Module):
         kv_store[batch.write_slots] = torch.cat([latent, k_rot], dim=-1).to(kv_store.dtype)
 
         if self.indexer is not None:
-            iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
+            with PROF.span("indexer"):
+                iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
             idx_store = cache.index_k[self.layer]
             idx_store[batch.write_slots] = ik.to(idx_store.dtype)
         elif prev_keep is None:
@@ -103,8 +105,9 @@ class MLA(nn.Module):
         for gi, g in enumerate(batch.groups):
             rows = kv_store[g.slots].to(x.dtype)  # [B, L, c + r]
             if self.indexer is not None:
-                scores = index_scores(iq[g.tok], iw[g.tok], idx_store[g.slots], self.indexer.head_dim)
-                keep = select_topk_reference(scores, g.q_pos, self.topk)  # [B, n, L]
+                with PROF.span("indexer"):
+                    scores = index_scores(iq[g.tok], iw[g.tok], idx_store[g.slots], self.indexer.head_dim)
+                    keep = select_topk_reference(scores, g.q_pos, self.topk)  # [B, n, L]
             else:
                 keep = prev_keep[gi]
             keeps.append(keep)
@@ -132,8 +135,9 @@ class MLA(nn.Module):
                 L = int(qpos.max()) + 1
                 slots = g.slots[bi, :L]
                 if self.indexer is not None:
-                    keep = dsa.select(iq[toks], iw[toks], idx_store, slots, qpos, self.topk, self.indexer.head_dim,
-                                      self.dsa, self.row_split)
+                    with PROF.span("indexer"):
+                        keep = dsa.select(iq[toks], iw[toks], idx_store, slots, qpos, self.topk,
+                                          self.indexer.head_dim, self.dsa, self.row_split)
                 else:
                     keep = prev_keep[gi][bi]
                 gkeep.append(keep)

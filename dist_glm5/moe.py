@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .profiler import PROF
 from .router import Router
 
 
@@ -112,10 +113,13 @@ class MoE(nn.Module):
             if cfg.n_shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, ids = self.gate(x)
+        with PROF.span("router"):
+            w, ids = self.gate(x)
         if self.recorder is not None:
             self.recorder[0].record(self.recorder[1], ids)
-        y = self.experts(x, w, ids)
+        with PROF.span("experts"):
+            y = self.experts(x, w, ids)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+            with PROF.span("shared"):
+                y = y + self.shared_experts(x)
         return y

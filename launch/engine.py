@@ -35,7 +35,8 @@ def model_dir(args: argparse.Namespace) -> Path:
     return d
 
 
-def build_engine(args: argparse.Namespace, d: Path, max_model_len: int | None = None, dsa: dict | None = None):
+def build_engine(args: argparse.Namespace, d: Path, max_model_len: int | None = None, dsa: dict | None = None,
+                 profile: bool = False):
     """The coordinator over an in-process pipeline (one stage, one rank, no Ray) or Ray actors."""
     from dist_glm5.config import ModelConfig
     from dist_glm5.stages.coordinator import Coordinator, InProcessPipeline
@@ -53,13 +54,13 @@ def build_engine(args: argparse.Namespace, d: Path, max_model_len: int | None = 
     if args.stages * max(args.tp, args.ep) == 1 and not args.address:
         pipe = InProcessPipeline(StageSpec(str(d), mtp=args.mtp, cache_blocks=args.cache_blocks,
                                            block_size=args.block_size, dtype=args.dtype, threads=args.threads, dsa=dsa,
-                                           placement=placement))
+                                           placement=placement, profile=profile))
     else:
         from dist_glm5.stages.ray_pipeline import RayPipeline
 
         pipe = RayPipeline(str(d), stages=args.stages, tp=args.tp, ep=args.ep, mtp=args.mtp, address=args.address,
                            host=args.host, cache_blocks=args.cache_blocks, block_size=args.block_size,
-                           dtype=args.dtype, threads=args.threads or 1, dsa=dsa, placement=placement)
+                           dtype=args.dtype, threads=args.threads or 1, dsa=dsa, placement=placement, profile=profile)
     sched = SchedulerConfig(chunk_tokens=args.chunk_tokens, microbatches=args.microbatches, mtp=args.mtp,
                             max_model_len=max_model_len or min(cfg.max_position_embeddings,
                                                                args.cache_blocks * args.block_size))

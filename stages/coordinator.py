@@ -90,6 +90,7 @@ class Coordinator:
         self.in_flight = 0
         self.stats = Stats()
         self.finished: list[Sequence] = []
+        self.step_events: dict[tuple[int, int, int], list] = {}  # (step, stage, rank) -> profiler spans
 
     def add(self, prompt: list[int], params: SamplingParams) -> Sequence:
         if not prompt:
@@ -127,6 +128,12 @@ class Coordinator:
         self.in_flight -= 1
         self.stats.steps += 1
         self.stats.peak_rss_mb = max(self.stats.peak_rss_mb, res.peak_rss_mb)
+        if res.events and res.stage_times:
+            stage, rank = (int(x) for x in next(iter(res.stage_times)).split("/"))
+            self.step_events[(res.step, stage, rank)] = res.events
+        for t in getattr(self.pipeline, "timings", []):
+            if t.events:
+                self.step_events[(t.step, t.stage, t.rank)] = t.events
         for k, v in res.stage_times.items():
             self.stats.stage_busy[k] = self.stats.stage_busy.get(k, 0.0) + v
         done = self.scheduler.on_result(res.step, res.outputs)

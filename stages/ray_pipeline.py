@@ -50,7 +50,7 @@ class RayPipeline:
     def __init__(self, model_dir: str, stages: int = 1, tp: int = 1, ep: int = 1, mtp: bool = False,
                  address: str | None = None, host: str = "127.0.0.1", cache_blocks: int = 512, block_size: int = 64,
                  dtype: str | None = None, threads: int = 1, cpus_per_worker: float = 1.0, startup_timeout: float = 300.0,
-                 dsa: dict | None = None, placement: dict | None = None):
+                 dsa: dict | None = None, placement: dict | None = None, profile: bool = False):
         import ray
 
         if tp < 1 or ep < 1:
@@ -63,7 +63,7 @@ class RayPipeline:
         self.ranges = partition_layers(cfg, stages)
         self.stages, self.ranks = stages, ranks
         self.specs = [StageSpec(str(model_dir), s, stages, r, ranks, ep, (self.ranges[s].start, self.ranges[s].stop),
-                                mtp, cache_blocks, block_size, dtype, threads, dsa, placement)
+                                mtp, cache_blocks, block_size, dtype, threads, dsa, placement, profile)
                       for s in range(stages) for r in range(ranks)]
         self.host, self.cpus, self.startup_timeout = host, cpus_per_worker, startup_timeout
         if not ray.is_initialized():

@@ -68,6 +68,7 @@ class Scheduler:
         self.by_id: dict[int, Sequence] = {}
         self.release: list[int] = []
         self.sent: dict[int, list[tuple[Sequence, SeqWork]]] = {}  # step -> what went out
+        self.kinds: dict[int, str] = {}  # step -> "prefill" (any prompt chunk in it) or "decode"
 
     def add(self, seq: Sequence) -> None:
         if len(seq.prompt) >= self.cfg.max_model_len:
@@ -105,6 +106,7 @@ class Scheduler:
         plan = StepPlan(step, [w for _, w in work], self.release)
         self.release = []
         self.sent[step] = work
+        self.kinds[step] = "prefill" if any(w.start < len(s.prompt) for s, w in work) else "decode"
         return plan
 
     def _work_for(self, s: Sequence, budget: int) -> SeqWork:

@@ -23,6 +23,7 @@ from dist_glm5.kv_cache import Chunk
 from dist_glm5.loader import load_model
 from dist_glm5.messages import SeqOutput, SeqWork, StepPlan, StepResult
 from dist_glm5.partition import expert_ranges
+from dist_glm5.profiler import PROF
 from dist_glm5.rejection import verify_draft
 from dist_glm5.sampling import (SamplingParams, make_generator, process_logits, sample_one, target_probs,
                                 token_logprobs)
@@ -55,6 +56,7 @@ class StageSpec:
     threads: int | None = None
     dsa: dict | None = None  # DSAConfig fields (mode "sparse" for long context)
     placement: dict | None = None  # per MoE layer, the checkpoint expert at each position (dist_glm5/placement.py)
+    profile: bool = False  # record profiler spans and send them with every step
 
     @property
     def name(self) -> str:
@@ -86,6 +88,7 @@ class StageWorker:
         if spec.threads:
             torch.set_num_threads(spec.threads)
         self.spec, self.comm = spec, comm
+        PROF.enabled = spec.profile
         cfg = ModelConfig.from_hf(spec.model_dir)
         self.cfg = cfg
         layers = range(*spec.layers) if spec.layers else range(cfg.num_hidden_layers)
@@ -110,26 +113,37 @@ class StageWorker:
     # ---- one step ------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, plan: StepPlan) -> StepResult | None:
+        with PROF.span("step"):
+            res = self._step(plan)
+        if res is not None and self.spec.profile:
+            res.events = [list(e) for e in PROF.take()]
+        return res
+
+    def _step(self, plan: StepPlan) -> StepResult | None:
         t0 = time.perf_counter()
         for sid in plan.release:
             self.cache.release(sid)
             self.seqs.pop(sid, None)
         if not plan.work:
-            return StepResult(plan.step, []) if self.last and self.spec.rank == 0 else None
+            return StepResult(plan.step, [], {f"{self.spec.stage}/{self.spec.rank}": 0.0}) \
+                if self.last and self.spec.rank == 0 else None
         batch = self.cache.prepare([Chunk(w.seq_id, w.start, len(w.tokens)) for w in plan.work])
         T = batch.num_tokens
         if self.first:
             x = torch.tensor([t for w in plan.work for t in w.tokens], dtype=torch.int64)
         else:
             tw = time.perf_counter()
-            x = self.comm.recv_hidden((T, self.cfg.hidden_size), self.model.dtype, plan.step)
+            with PROF.span("recv_wait"):
+                x = self.comm.recv_hidden((T, self.cfg.hidden_size), self.model.dtype, plan.step)
             t0 += time.perf_counter() - tw  # waiting for the previous stage is not busy time
         h, _ = self.model(x, batch, self.cache)
         if not self.last:
-            self.comm.send_hidden(h, plan.step)
+            with PROF.span("transfer"):
+                self.comm.send_hidden(h, plan.step)
             self.busy += time.perf_counter() - t0
             return None
-        outputs = self._sample(plan, batch, h)
+        with PROF.span("sampler"):
+            outputs = self._sample(plan, batch, h)
         dt = time.perf_counter() - t0
         self.busy += dt
         if self.spec.rank != 0:
@@ -233,9 +247,10 @@ def serve(spec: StageSpec, coord_addr: str, dist_init: str | None) -> None:
             res = worker.step(msg)
             if res is not None:
                 sock.send(pack(res))
-            elif spec.rank == 0 and not worker.last:
-                sock.send(pack(StepTiming(msg.step, spec.stage, worker.busy - t0, comm.send_seconds - s0,
-                                          comm.bytes_sent - b0, peak_rss_mb())))
+            elif (spec.rank == 0 and not worker.last) or spec.profile:
+                sock.send(pack(StepTiming(msg.step, spec.stage, worker.busy - t0, comm.send_seconds - s0 if comm else 0.0,
+                                          comm.bytes_sent - b0 if comm else 0, peak_rss_mb(), spec.rank,
+                                          [list(e) for e in PROF.take()] if spec.profile else [])))
     except Exception as e:  # reported, never swallowed: the coordinator fails the in-flight requests
         log.exception("%s failed", spec.name)
         sock.send(pack(WorkerError(spec.stage, spec.rank, step, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))

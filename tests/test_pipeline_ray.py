@@ -4,6 +4,7 @@ generate() token for token."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -85,6 +86,21 @@ def test_placement_on_two_ep_ranks_keeps_outputs(cluster, default_model_dir, wan
         assert [s.output for s in c.run(PROMPTS, GREEDY, arrivals=ARRIVALS)] == want
     finally:
         c.close()
+
+
+def test_profile_two_stages_two_ranks(cluster, default_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from test_profile import LAUNCH, check_profile
+
+    r = subprocess.run([*LAUNCH, "profile", "--stages", "2", "--tp", "2", "--ep", "2", "--address", cluster.address,
+                        "--ctx", "80", "--batch", "2", "--decode-steps", "4", "--output", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    check_profile(tmp_path, 2, 2)
+    a = json.loads((tmp_path / "anatomy.json").read_text())
+    assert a["decode"]["0"]["transfer"] > 0 and a["decode"]["1"]["all_reduce"] > 0
 
 
 def test_mxfp4_checkpoint_through_two_stages(cluster, default_model_dir, tmp_path):
