@@ -6,9 +6,10 @@ import argparse
 
 
 def register(p: argparse.ArgumentParser) -> None:
-    from . import encoder, generate_vs_hf, longctx, pipeline, roofline, serve
+    from . import all as all_, encoder, generate_vs_hf, longctx, pipeline, roofline, serve
 
     sub = p.add_subparsers(dest="bench_command", required=True)
+    all_.register(sub.add_parser("all", help="every benchmark in one run: all.json and a markdown table of ratios"))
     encoder.register(sub.add_parser("encoder", help="MXFP4 encoder throughput and peak RSS vs amd-quark and torchao"))
     longctx.register(sub.add_parser("longctx", help="decode ms/token vs context, prefill vs context, bisection vs topk"))
     roofline.register(sub.add_parser("roofline", help="bytes per decode step per card and the bound they set (computed)"))

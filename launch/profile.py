@@ -34,6 +34,8 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=int, default=12)
     p.add_argument("--sparse", action="store_true", help="sparse DSA path")
     p.add_argument("--output", help="directory for trace.json, anatomy.json and timeline PNGs")
+    p.add_argument("--bandwidth-gbs", type=float, default=20.0,
+                   help="memory bandwidth per worker for the roofline bound (GB/s; default: a CPU core's share)")
     p.set_defaults(func=run)
 
 
@@ -119,6 +121,26 @@ def timeline(path: Path, events_by: dict, stage: int, steps: list[int]) -> None:
     png(path, W, H, px)
 
 
+def roofline_fraction(d, args, decode: dict) -> dict:
+    """Measured decode step time against the bandwidth bound for the same model and workload (bench/roofline.py)."""
+    from dist_glm5.bench.roofline import HBM, decode_bytes
+    from dist_glm5.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(d)
+    wb = 4 if cfg.torch_dtype == "float32" else 2
+    hw = HBM("this machine", args.bandwidth_gbs * 1e9, max(args.tp, args.ep))
+    rows = decode_bytes(cfg, args.stages, args.ctx + args.decode_steps // 2, args.batch, 2 if args.mtp else 1, hw,
+                        expert_bytes=0.53125 if cfg.experts_format == "mxfp4" else wb, weight_bytes=wb,
+                        idx_bytes=cfg.index_head_dim * wb, mla_bytes=cfg.kv_cache_dim * wb)
+    out = {}
+    for r in rows:
+        if str(r.stage) in decode or r.stage in decode:
+            m = (decode.get(r.stage) or decode.get(str(r.stage)))["step"]
+            bound = 1e3 * r.total / hw.bandwidth
+            out[r.stage] = {"measured_ms": m, "bound_ms": bound, "bytes": r.total, "fraction": m / bound}
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -140,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
     for kind in ("decode", "prefill"):
         for line in describe(result[kind], kind):
             print(line)
+    result["roofline"] = roofline_fraction(d, args, result["decode"])
+    for s, r in result["roofline"].items():
+        print(f"stage {s}: decode step {r['measured_ms']:.2f} ms = {r['fraction']:.1f}x the roofline bound "
+              f"{r['bound_ms']:.3f} ms ({r['bytes'] / 1e6:.1f} MB per step at {args.bandwidth_gbs:g} GB/s; computed)")
     if args.output:
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
