@@ -112,3 +112,20 @@ def load_placement(path: str | Path) -> dict[int, list[int]]:
         return {int(k): [int(e) for e in v] for k, v in d["layers"].items()}
     except (OSError, json.JSONDecodeError, KeyError, ValueError) as e:
         raise ValueError(f"{path} is not a placement file ({e}): make one with `dist-glm5 placement fit`") from None
+
+
+def layouts(routes: dict[int, torch.Tensor], cards: int, cfg: ModelConfig) -> list[dict]:
+    """EP x TP splits of a stage's `cards` (EP ranks hold whole experts, TP splits each expert's matrices):
+    for each, the busiest rank's expert work per step after a fitted placement, in routes-equivalents
+    (routes on the busiest EP rank / TP). Lower is faster; the list is sorted best first."""
+    out = []
+    for ep in (d for d in range(1, cards + 1) if cards % d == 0 and cfg.n_routed_experts % d == 0):
+        tp = cards // ep
+        pl = fit_placement(routes, ep, cfg) if ep > 1 else None
+        busiest = []
+        for l, c in routes.items():
+            loads = rank_loads(c, (pl or {}).get(l), ep).float()
+            busiest.append(loads.max(-1).values)
+        work = float(torch.cat(busiest).mean()) / tp
+        out.append({"ep": ep, "tp": tp, "busiest_rank_work": work, "imbalance": imbalance(routes, pl, ep)})
+    return sorted(out, key=lambda r: r["busiest_rank_work"])

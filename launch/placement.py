@@ -23,6 +23,7 @@ def register(p: argparse.ArgumentParser) -> None:
     f.add_argument("--routes", required=True)
     f.add_argument("--ranks", type=int, required=True, help="expert-parallel ranks")
     f.add_argument("--output", required=True, help="placement JSON, for --placement")
+    f.add_argument("--cards", type=int, help="also compare EP x TP splits of this many cards per stage")
     f.set_defaults(func=fit)
 
 
@@ -65,4 +66,10 @@ def fit(args: argparse.Namespace) -> int:
     save_placement(args.output, pl, args.ranks)
     print(f"busiest EP rank / mean over recorded steps, {args.ranks} ranks: before {imbalance(routes, None, args.ranks):.3f}, "
           f"after {imbalance(routes, pl, args.ranks):.3f} -> {args.output}")
+    if args.cards:
+        from dist_glm5.placement import layouts
+
+        print(f"EP x TP over {args.cards} cards (busiest rank's expert work per step, routes / TP; fitted placements):")
+        for r in layouts(routes, args.cards, cfg):
+            print(f"  EP{r['ep']} x TP{r['tp']}: {r['busiest_rank_work']:.2f} (imbalance {r['imbalance']:.3f})")
     return 0

@@ -56,3 +56,12 @@ def test_outputs_identical_with_and_without_placement(default_model_dir, default
     import torch
 
     assert torch.equal(half.model.layers["1"].mlp.experts.w13_weight, full[torch.tensor(pl[1][8:16])])
+
+
+def test_ep_tp_layouts_cover_the_cards(default_model, recorded):
+    from dist_glm5.placement import layouts
+
+    routes, _ = recorded
+    rows = layouts(routes, 8, default_model.cfg)
+    assert {(r["ep"], r["tp"]) for r in rows} == {(1, 8), (2, 4), (4, 2), (8, 1)}
+    assert [r["busiest_rank_work"] for r in rows] == sorted(r["busiest_rank_work"] for r in rows)
