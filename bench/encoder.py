@@ -12,7 +12,6 @@ import argparse
 import json
 import logging
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _WORKER = r"""
-import json, resource, sys, time, torch
+import json, sys, time, torch
+from dist_glm5.memory import peak_rss_mb
 name, threads, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.set_num_threads(threads)
 ws = [torch.randn(2048, 6144, generator=torch.Generator().manual_seed(i)).mul_(0.02).to(torch.bfloat16) for i in range(n)]
@@ -44,7 +44,6 @@ else:
     from dist_glm5.bench.oracles import torchao_encoder
     fn = torchao_encoder()
 fn(ws[0])
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t = time.perf_counter()
 if pool:
     list(pool.map(fn, ws))
@@ -53,7 +52,7 @@ else:
         fn(w)
 dt = time.perf_counter() - t
 print(json.dumps({"gb_s": sum(w.numel() * 2 for w in ws) / dt / 1e9,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "peak_rss_mb": peak_rss_mb()}))
 """
 
 
@@ -103,9 +102,10 @@ def synthetic_bf16_checkpoint(dst: Path, gb: float) -> Path:
 
 
 def convert_rss(src: Path, dst: Path) -> tuple[float, float]:
-    code = ("import resource, sys, time; from dist_glm5.convert.glm53 import convert_glm53; t = time.perf_counter(); "
+    code = ("import sys, time; from dist_glm5.convert.glm53 import convert_glm53; from dist_glm5.memory import peak_rss_mb; "
+            "t = time.perf_counter(); "
             "convert_glm53(sys.argv[1], sys.argv[2]); "
-            "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+            "print(time.perf_counter() - t, peak_rss_mb())")
     r = subprocess.run([sys.executable, "-c", code, str(src), str(dst)], capture_output=True, text=True, check=True)
     secs, rss = r.stdout.split()
     return float(secs), float(rss)

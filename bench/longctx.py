@@ -18,7 +18,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _DECODE = r"""
-import json, resource, sys, time, torch
+import json, sys, time, torch
+from dist_glm5.memory import peak_rss_mb
 from dist_glm5.default_model import ensure_default_model
 from dist_glm5.dsa import DSAConfig
 from dist_glm5.kv_cache import Chunk
@@ -40,11 +41,12 @@ with torch.no_grad():
         m.logits(m.final_norm(h))
         times.append(time.perf_counter() - t)
 print(json.dumps({"ms_per_token": 1e3 * sorted(times)[len(times) // 2],
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "peak_rss_mb": peak_rss_mb()}))
 """
 
 _HF_DECODE = r"""
-import json, resource, sys, tempfile, time, torch
+import json, sys, tempfile, time, torch
+from dist_glm5.memory import peak_rss_mb
 from pathlib import Path
 from transformers import GlmMoeDsaForCausalLM
 from dist_glm5.bench.generate_vs_hf import hf_copy
@@ -63,11 +65,12 @@ with torch.no_grad():
         cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
         times.append(time.perf_counter() - t)
 print(json.dumps({"ms_per_token": 1e3 * sorted(times)[len(times) // 2],
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "peak_rss_mb": peak_rss_mb()}))
 """
 
 _PREFILL = r"""
-import json, resource, sys, time, torch
+import json, sys, time, torch
+from dist_glm5.memory import peak_rss_mb
 from dist_glm5.default_model import ensure_default_model
 from dist_glm5.dsa import DSAConfig
 from dist_glm5.kv_cache import Chunk
@@ -83,7 +86,7 @@ with torch.no_grad():
         b = cache.prepare([Chunk(0, a, min(1024, ctx - a))])
         m(ids[a:a + 1024], b, cache)
 print(json.dumps({"seconds": time.perf_counter() - t,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "peak_rss_mb": peak_rss_mb()}))
 """
 
 

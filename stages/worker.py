@@ -21,6 +21,7 @@ from dist_glm5.config import ModelConfig
 from dist_glm5.dsa import DSAConfig
 from dist_glm5.kv_cache import Chunk
 from dist_glm5.loader import load_model
+from dist_glm5.memory import peak_rss_mb
 from dist_glm5.messages import SeqOutput, SeqWork, StepPlan, StepResult
 from dist_glm5.partition import expert_ranges
 from dist_glm5.profiler import PROF
@@ -32,12 +33,6 @@ from dist_glm5.shards import ShardedCheckpoint, is_sharded
 from .tp import shard_tensor_parallel
 
 log = logging.getLogger(__name__)
-
-
-def peak_rss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 @dataclass(frozen=True)
