@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .config import ModelConfig
 from .dsa import DSAConfig
 from .partition import partition_layers
-from .planner import GIB, WorkerMemory, stage_expert_bytes, stage_weight_bytes, worker_memory
+from .planner import WorkerMemory, stage_expert_bytes, stage_weight_bytes, worker_memory
 
 GB = 10**9
 
@@ -146,5 +146,3 @@ def table(cards: list[CardPlan], layout: Layout, context: int, fmt: str) -> str:
                     f"{c.headroom / GB:>8.1f}G {c.needed / GB:>7.1f}G {c.capacity / GB:>4.0f}G  {'yes' if c.fits else 'NO'}")
     return "\n".join(rows)
 
-
-_ = GIB

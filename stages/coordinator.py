@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 

@@ -44,7 +44,7 @@ def reference(default_model_dir, tmp_path_factory):
     block = GlmMoeDsaDecoderLayer(cfg2, n).eval()
     pre = f"model.layers.{n}."
     sd = {}
-    E, I = raw["n_routed_experts"], raw["moe_intermediate_size"]
+    E = raw["n_routed_experts"]
     for k, v in block.state_dict().items():
         if k == "mlp.experts.gate_up_proj":
             sd[k] = torch.stack([torch.cat([ck.get(f"{pre}mlp.experts.{e}.gate_proj.weight"),

@@ -11,7 +11,6 @@ import signal
 import time
 
 import pytest
-import torch
 
 from dist_glm5.config import ModelConfig
 from dist_glm5.generate import generate
@@ -90,7 +89,6 @@ def test_placement_on_two_ep_ranks_keeps_outputs(cluster, default_model_dir, wan
 
 def test_profile_two_stages_two_ranks(cluster, default_model_dir, tmp_path):
     import subprocess
-    import sys
 
     from test_profile import LAUNCH, check_profile
 

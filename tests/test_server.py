@@ -83,7 +83,7 @@ def test_bad_requests_get_4xx_and_serving_goes_on(single):
 
 
 def test_two_node_on_a_local_ray_cluster_gives_the_same_greedy_text(single, default_model_dir):
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray")
     from dist_glm5.stages.ray_pipeline import local_cluster
 
     client, ready = single
