@@ -88,10 +88,11 @@ class EngineLoop:
                 continue
             try:
                 self.c.step()
-            except Exception as e:  # the loop must survive: fail what is live, keep serving
+            except Exception as e:  # the loop must survive: fail what started, restart, keep serving
                 log.exception("engine step failed")
-                for h in self.live:
-                    h.seq.finish_reason, h.seq.error = "error", f"engine failure: {e}"
+                self.c.scheduler.fail_all_started(f"engine failure: {type(e).__name__}: {e}")
+                self.c.in_flight = 0
+                self.c.pipeline.restart()
             self._publish()
 
     def close(self) -> None:
