@@ -53,6 +53,15 @@ def serve(model_dir, stages, tp, ep, mtp=False, **kw):
 SPARSE = {"mode": "sparse", "dense_threshold": 0, "window": 16}
 
 
+def served_outputs(model_dir, stages, tp, ep, **kw) -> list[list[int]]:
+    """PROMPTS (arriving at ARRIVALS) through a fresh pipeline, which is closed afterwards."""
+    c = serve(model_dir, stages, tp, ep, **kw)
+    try:
+        return [s.output for s in c.run(PROMPTS, GREEDY, arrivals=ARRIVALS)]
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("stages,tp,ep,mtp,dsa", [(2, 1, 1, False, None), (1, 2, 2, False, None), (2, 2, 2, True, None),
                                                   (2, 2, 1, False, None), (1, 2, 2, False, SPARSE),
                                                   (2, 2, 2, True, SPARSE)])
@@ -80,11 +89,7 @@ def test_placement_on_two_ep_ranks_keeps_outputs(cluster, default_model_dir, wan
     attach(m, rec)
     generate(m, PROMPTS, GREEDY)
     pl = fit_placement(rec.tensor(), 2, m.cfg)
-    c = serve(default_model_dir, 1, 2, 2, placement=pl)
-    try:
-        assert [s.output for s in c.run(PROMPTS, GREEDY, arrivals=ARRIVALS)] == want
-    finally:
-        c.close()
+    assert served_outputs(default_model_dir, 1, 2, 2, placement=pl) == want
 
 
 def test_profile_two_stages_two_ranks(cluster, default_model_dir, tmp_path):
@@ -111,11 +116,7 @@ def test_mxfp4_checkpoint_through_two_stages(cluster, default_model_dir, tmp_pat
     sh = tmp_path / "sh"
     shard_checkpoint(mx, sh, stages=2, ep=2)
     want = [g.token_ids for g in generate(load_model(mx), PROMPTS, GREEDY)]
-    c = serve(sh, 2, 2, 2, mtp=True)
-    try:
-        assert [s.output for s in c.run(PROMPTS, GREEDY, arrivals=ARRIVALS)] == want
-    finally:
-        c.close()
+    assert served_outputs(sh, 2, 2, 2, mtp=True) == want
 
 
 def test_a_stage_that_raises_fails_requests_naming_it_then_serves_again(cluster, default_model_dir, want):
