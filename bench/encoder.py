@@ -23,13 +23,13 @@ log = logging.getLogger(__name__)
 
 _WORKER = r"""
 import json, sys, time, torch
-from dist_glm5.memory import peak_rss_mb
+from dist_glm5.obs.peak_rss import peak_rss_mb
 name, threads, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.set_num_threads(threads)
 ws = [torch.randn(2048, 6144, generator=torch.Generator().manual_seed(i)).mul_(0.02).to(torch.bfloat16) for i in range(n)]
 pool = None
 if name.startswith("ours"):
-    from dist_glm5.mxfp4 import encode
+    from dist_glm5.quant.mxfp4 import encode
     rule = name.split("-")[1]
     fn = lambda w: encode(w, rule)
     if name.endswith("-pool"):  # one matrix per thread, as `convert glm53 --workers N` runs them
@@ -74,9 +74,9 @@ def throughput(name: str, threads: int, n: int) -> dict | None:
 
 def synthetic_bf16_checkpoint(dst: Path, gb: float) -> Path:
     """A GLM-5-architecture BF16 checkpoint whose routed experts total about `gb` GB, written streaming."""
-    from dist_glm5.config import ModelConfig
-    from dist_glm5.loader import hf_state_dict, meta_model
-    from dist_glm5.safetensors_io import save_streaming
+    from dist_glm5.model.config import ModelConfig
+    from dist_glm5.checkpoint.loader import hf_state_dict, meta_model
+    from dist_glm5.checkpoint.safetensors_io import save_streaming
 
     H, I, E = 1024, 512, 64
     per_layer = E * 3 * H * I * 2
@@ -101,7 +101,7 @@ def synthetic_bf16_checkpoint(dst: Path, gb: float) -> Path:
 
 
 def convert_rss(src: Path, dst: Path) -> tuple[float, float]:
-    code = ("import sys, time; from dist_glm5.convert.glm53 import convert_glm53; from dist_glm5.memory import peak_rss_mb; "
+    code = ("import sys, time; from dist_glm5.convert.glm53 import convert_glm53; from dist_glm5.obs.peak_rss import peak_rss_mb; "
             "t = time.perf_counter(); "
             "convert_glm53(sys.argv[1], sys.argv[2]); "
             "print(time.perf_counter() - t, peak_rss_mb())")

@@ -32,8 +32,8 @@ def register(p: argparse.ArgumentParser) -> None:
 
 def hf_copy(model_dir: Path, dst: Path) -> Path:
     """A transformers-loadable copy: no MTP layer (transformers does not run it)."""
-    from dist_glm5.config import ModelConfig
-    from dist_glm5.safetensors_io import Checkpoint, save_streaming
+    from dist_glm5.model.config import ModelConfig
+    from dist_glm5.checkpoint.safetensors_io import Checkpoint, save_streaming
 
     cfg = ModelConfig.from_hf(model_dir)
     d = cfg.to_hf()
@@ -58,10 +58,10 @@ def best(fn, repeats: int) -> float:
 def run(args: argparse.Namespace) -> int:
     from transformers import GlmMoeDsaForCausalLM
 
-    from dist_glm5.default_model import ensure_default_model
-    from dist_glm5.generate import generate
-    from dist_glm5.loader import load_model
-    from dist_glm5.sampling import SamplingParams
+    from dist_glm5.checkpoint.default_model import ensure_default_model
+    from dist_glm5.model.reference_loop import generate
+    from dist_glm5.checkpoint.loader import load_model
+    from dist_glm5.sampling.params import SamplingParams
 
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else ensure_default_model()

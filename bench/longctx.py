@@ -19,11 +19,11 @@ log = logging.getLogger(__name__)
 
 _DECODE = r"""
 import json, sys, time, torch
-from dist_glm5.memory import peak_rss_mb
-from dist_glm5.default_model import ensure_default_model
-from dist_glm5.dsa import DSAConfig
-from dist_glm5.kv_cache import Chunk
-from dist_glm5.loader import load_model
+from dist_glm5.obs.peak_rss import peak_rss_mb
+from dist_glm5.checkpoint.default_model import ensure_default_model
+from dist_glm5.model.dsa import DSAConfig
+from dist_glm5.model.kv_cache import Chunk
+from dist_glm5.checkpoint.loader import load_model
 torch.set_num_threads(1)
 ctx, steps = int(sys.argv[1]), int(sys.argv[2])
 m = load_model(ensure_default_model(), mtp=False).set_dsa(DSAConfig(mode="sparse"))
@@ -46,11 +46,11 @@ print(json.dumps({"ms_per_token": 1e3 * sorted(times)[len(times) // 2],
 
 _HF_DECODE = r"""
 import json, sys, tempfile, time, torch
-from dist_glm5.memory import peak_rss_mb
+from dist_glm5.obs.peak_rss import peak_rss_mb
 from pathlib import Path
 from transformers import GlmMoeDsaForCausalLM
 from dist_glm5.bench.generate_vs_hf import hf_copy
-from dist_glm5.default_model import ensure_default_model
+from dist_glm5.checkpoint.default_model import ensure_default_model
 torch.set_num_threads(1)
 ctx, steps = int(sys.argv[1]), int(sys.argv[2])
 with tempfile.TemporaryDirectory() as tmp:
@@ -70,11 +70,11 @@ print(json.dumps({"ms_per_token": 1e3 * sorted(times)[len(times) // 2],
 
 _PREFILL = r"""
 import json, sys, time, torch
-from dist_glm5.memory import peak_rss_mb
-from dist_glm5.default_model import ensure_default_model
-from dist_glm5.dsa import DSAConfig
-from dist_glm5.kv_cache import Chunk
-from dist_glm5.loader import load_model
+from dist_glm5.obs.peak_rss import peak_rss_mb
+from dist_glm5.checkpoint.default_model import ensure_default_model
+from dist_glm5.model.dsa import DSAConfig
+from dist_glm5.model.kv_cache import Chunk
+from dist_glm5.checkpoint.loader import load_model
 torch.set_num_threads(1)
 ctx, mode, thr = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 m = load_model(ensure_default_model(), mtp=False).set_dsa(DSAConfig(mode=mode, dense_threshold=thr))
@@ -112,8 +112,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from dist_glm5.default_model import ensure_default_model
-    from dist_glm5.topk import kth_largest_bisect
+    from dist_glm5.checkpoint.default_model import ensure_default_model
+    from dist_glm5.ops.topk import kth_largest_bisect
 
     ensure_default_model()
     res: dict = {"decode": [], "prefill": [], "topk": []}

@@ -29,8 +29,8 @@ def register(p: argparse.ArgumentParser) -> None:
 
 
 def measure(d: str, stages: int, microbatches: int, mtp: bool, prompts, new_tokens: int) -> dict:
-    from dist_glm5.config import ModelConfig
-    from dist_glm5.sampling import SamplingParams
+    from dist_glm5.model.config import ModelConfig
+    from dist_glm5.sampling.params import SamplingParams
     from dist_glm5.stages.coordinator import Coordinator
     from dist_glm5.stages.ray_pipeline import RayPipeline
     from dist_glm5.stages.scheduler import SchedulerConfig
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     import torch
 
-    from dist_glm5.default_model import ensure_default_model
+    from dist_glm5.checkpoint.default_model import ensure_default_model
     from dist_glm5.stages.ray_pipeline import local_cluster
 
     d = str(Path(args.model) if args.model else ensure_default_model())

@@ -15,8 +15,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dist_glm5.config import ModelConfig
-from dist_glm5.partition import partition_layers
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.planning.partition import partition_layers
 
 GB = 10**9
 

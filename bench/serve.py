@@ -12,7 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-LAUNCH = [sys.executable, "-c", "import sys; from dist_glm5.cli import launch_main; sys.exit(launch_main())"]
+LAUNCH = [sys.executable, "-c", "import sys; from dist_glm5.launch.cli import launch_main; sys.exit(launch_main())"]
 
 
 def register(p: argparse.ArgumentParser) -> None:

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dist_glm5.config import ModelConfig
-from dist_glm5.loader import _dtype_of, check_checkpoint, meta_model
-from dist_glm5.mxfp4 import RULES, decode
-from dist_glm5.safetensors_io import Checkpoint, CheckpointError
-from dist_glm5.shards import _Info
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.checkpoint.loader import _dtype_of, check_checkpoint, meta_model
+from dist_glm5.quant.mxfp4 import RULES, decode
+from dist_glm5.checkpoint.safetensors_io import Checkpoint, CheckpointError
+from dist_glm5.checkpoint.shards import _Info
 
 from .glm53 import expert_stream, source_files
 from .layout import check_mxfp4_dims, expert_key, fused_names, fused_shapes, group_by_file, serving_quant_config

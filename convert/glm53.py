@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dist_glm5.config import ModelConfig
-from dist_glm5.loader import check_checkpoint, meta_model
-from dist_glm5.mxfp4 import RULES, encode
-from dist_glm5.safetensors_io import Checkpoint
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.checkpoint.loader import check_checkpoint, meta_model
+from dist_glm5.quant.mxfp4 import RULES, encode
+from dist_glm5.checkpoint.safetensors_io import Checkpoint
 
 from .layout import expert_key, fused_names, fused_shapes, group_by_file, check_mxfp4_dims, serving_quant_config
 from .output import OutputDir

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from dist_glm5.config import SERVING_QUANT_METHOD, ModelConfig
+from dist_glm5.model.config import SERVING_QUANT_METHOD, ModelConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")

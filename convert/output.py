@@ -21,7 +21,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from dist_glm5.safetensors_io import DTYPE_NAMES, save_streaming
+from dist_glm5.checkpoint.safetensors_io import DTYPE_NAMES, save_streaming
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dist_glm5.config import ModelConfig
-from dist_glm5.moe import experts_reference
-from dist_glm5.mxfp4 import decode
-from dist_glm5.shards import open_checkpoint
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.model.moe import experts_reference
+from dist_glm5.quant.mxfp4 import decode
+from dist_glm5.checkpoint.shards import open_checkpoint
 
 log = logging.getLogger(__name__)
 LAYOUTS = ("gate_up", "up_gate", "interleaved")

@@ -17,11 +17,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dist_glm5.config import ModelConfig
-from dist_glm5.loader import check_checkpoint, meta_model
-from dist_glm5.partition import expert_ranges, partition_layers
-from dist_glm5.safetensors_io import Checkpoint, CheckpointError
-from dist_glm5.shards import SHARDS_FILE, is_sharded, rank_dir, stage_dir
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.checkpoint.loader import check_checkpoint, meta_model
+from dist_glm5.planning.partition import expert_ranges, partition_layers
+from dist_glm5.checkpoint.safetensors_io import Checkpoint, CheckpointError
+from dist_glm5.checkpoint.shards import SHARDS_FILE, is_sharded, rank_dir, stage_dir
 
 from .glm53 import source_files
 from .layout import expert_key, group_by_file, layer_of

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dist_glm5.config import ModelConfig
-from dist_glm5.loader import check_checkpoint, meta_model
-from dist_glm5.safetensors_io import DTYPE_NAMES, Checkpoint, CheckpointError
-from dist_glm5.shards import SHARDS_FILE, ShardedCheckpoint, is_sharded
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.checkpoint.loader import check_checkpoint, meta_model
+from dist_glm5.checkpoint.safetensors_io import DTYPE_NAMES, Checkpoint, CheckpointError
+from dist_glm5.checkpoint.shards import SHARDS_FILE, ShardedCheckpoint, is_sharded
 
 from .output import MANIFEST
 

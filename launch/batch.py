@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .engine import add_layout_args, build_engine, model_dir
+from .engine_args import add_layout_args, build_engine, model_dir
 
 log = logging.getLogger(__name__)
 FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "logit_bias",
@@ -66,8 +66,8 @@ def done_ids(path: Path) -> set[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dist_glm5.sampling import SamplingParams
-    from dist_glm5.tokenizer import load_tokenizer
+    from dist_glm5.sampling.params import SamplingParams
+    from dist_glm5.checkpoint.tokenizer import load_tokenizer
 
     d = model_dir(args)
     tok = load_tokenizer(d)

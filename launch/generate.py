@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .engine import add_layout_args, build_engine, model_dir
+from .engine_args import add_layout_args, build_engine, model_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,8 @@ def parse_ids(spec: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dist_glm5.sampling import SamplingParams
-    from dist_glm5.tokenizer import load_tokenizer
+    from dist_glm5.sampling.params import SamplingParams
+    from dist_glm5.checkpoint.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -30,7 +30,7 @@ def register(p: argparse.ArgumentParser) -> None:
 def _dir(args):
     from pathlib import Path
 
-    from dist_glm5.default_model import ensure_default_model
+    from dist_glm5.checkpoint.default_model import ensure_default_model
 
     return Path(args.model) if args.model else ensure_default_model()
 
@@ -38,10 +38,10 @@ def _dir(args):
 def record(args: argparse.Namespace) -> int:
     import torch
 
-    from dist_glm5.generate import generate
-    from dist_glm5.loader import load_model
-    from dist_glm5.placement import RouteRecorder, attach
-    from dist_glm5.sampling import SamplingParams
+    from dist_glm5.model.reference_loop import generate
+    from dist_glm5.checkpoint.loader import load_model
+    from dist_glm5.planning.expert_placement import RouteRecorder, attach
+    from dist_glm5.sampling.params import SamplingParams
 
     m = load_model(_dir(args))
     rec = RouteRecorder(m.cfg.n_routed_experts)
@@ -57,8 +57,8 @@ def record(args: argparse.Namespace) -> int:
 
 
 def fit(args: argparse.Namespace) -> int:
-    from dist_glm5.config import ModelConfig
-    from dist_glm5.placement import fit_placement, imbalance, load_routes, save_placement
+    from dist_glm5.model.config import ModelConfig
+    from dist_glm5.planning.expert_placement import fit_placement, imbalance, load_routes, save_placement
 
     cfg = ModelConfig.from_hf(_dir(args))
     routes = load_routes(args.routes)
@@ -67,7 +67,7 @@ def fit(args: argparse.Namespace) -> int:
     print(f"busiest EP rank / mean over recorded steps, {args.ranks} ranks: before {imbalance(routes, None, args.ranks):.3f}, "
           f"after {imbalance(routes, pl, args.ranks):.3f} -> {args.output}")
     if args.cards:
-        from dist_glm5.placement import layouts
+        from dist_glm5.planning.expert_placement import layouts
 
         print(f"EP x TP over {args.cards} cards (busiest rank's expert work per step, routes / TP; fitted placements):")
         for r in layouts(routes, args.cards, cfg):

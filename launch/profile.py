@@ -16,9 +16,9 @@ import struct
 import zlib
 from pathlib import Path
 
-from dist_glm5.profiler import exclusive_times
+from dist_glm5.obs.profiler import exclusive_times
 
-from .engine import add_layout_args, build_engine, model_dir
+from .engine_args import add_layout_args, build_engine, model_dir
 
 log = logging.getLogger(__name__)
 PARTS = ["experts", "attention", "indexer", "moe_outside", "mlp", "all_reduce", "transfer", "sampler", "host", "bubble"]
@@ -124,7 +124,7 @@ def timeline(path: Path, events_by: dict, stage: int, steps: list[int]) -> None:
 def roofline_fraction(d, args, decode: dict) -> dict:
     """Measured decode step time against the bandwidth bound for the same model and workload (bench/roofline.py)."""
     from dist_glm5.bench.roofline import HBM, decode_bytes
-    from dist_glm5.config import ModelConfig
+    from dist_glm5.model.config import ModelConfig
 
     cfg = ModelConfig.from_hf(d)
     wb = 4 if cfg.torch_dtype == "float32" else 2
@@ -144,7 +144,7 @@ def roofline_fraction(d, args, decode: dict) -> dict:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from dist_glm5.sampling import SamplingParams
+    from dist_glm5.sampling.params import SamplingParams
 
     d = model_dir(args)
     engine = build_engine(args, d, dsa={"mode": "sparse"} if args.sparse else None, profile=True)

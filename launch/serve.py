@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from .engine import add_layout_args
+from .engine_args import add_layout_args
 
 log = logging.getLogger(__name__)
 HW = {"hpu": dict(name="gaudi2", memory_per_card=96 * 10**9, cards_per_node=8, backend="hpu")}
@@ -50,7 +50,7 @@ def register(p: argparse.ArgumentParser, nodes: int, default_ctx: str) -> None:
 
 
 def hardware(args: argparse.Namespace):
-    from dist_glm5.plan import Hardware
+    from dist_glm5.planning.cluster_fit import Hardware
 
     if args.backend == "hpu":
         hw = dict(HW["hpu"])
@@ -66,10 +66,10 @@ def hardware(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from dist_glm5.config import ModelConfig
-    from dist_glm5.default_model import ensure_default_model
-    from dist_glm5.dsa import DSAConfig
-    from dist_glm5.plan import Layout, check, table, weights_format_of
+    from dist_glm5.model.config import ModelConfig
+    from dist_glm5.checkpoint.default_model import ensure_default_model
+    from dist_glm5.model.dsa import DSAConfig
+    from dist_glm5.planning.cluster_fit import Layout, check, table, weights_format_of
 
     d = Path(args.model) if args.model else ensure_default_model()
     cfg = ModelConfig.from_hf(d)
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     fmt = args.weights_format or weights_format_of(cfg)
     kw = {} if args.backend == "hpu" else {"dsa": DSAConfig(mode="sparse")}
     if args.dry_run:
-        from dist_glm5.plan import plan
+        from dist_glm5.planning.cluster_fit import plan
 
         cards = plan(cfg, layout, args.ctx, fmt, **kw)
         print(table(cards, layout, args.ctx, fmt))
@@ -94,11 +94,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace, d: Path, cfg) -> int:
-    from dist_glm5.tokenizer import load_tokenizer
+    from dist_glm5.checkpoint.tokenizer import load_tokenizer
 
-    from .engine import build_engine
-    from .loop import EngineLoop
-    from .server import App, serve_http
+    from .engine_args import build_engine
+    from .engine_loop import EngineLoop
+    from .http_server import App, serve_http
 
     t0 = time.perf_counter()
     args.cache_blocks = -(-(args.ctx + args.chunk_tokens) // args.block_size)

@@ -34,7 +34,7 @@ class Comm:
     def all_gather_mask(self, local: torch.Tensor, n: int, L: int) -> torch.Tensor:
         """Each rank holds the keep-masks of its share of n query rows (ceil(n/R) per rank, the last
         maybe fewer); exchange them bit-packed (L/8 bytes per row) so every rank has all n rows."""
-        from dist_glm5.topk import pack_mask, unpack_mask
+        from dist_glm5.ops.topk import pack_mask, unpack_mask
 
         per = -(-n // self.ranks)
         buf = torch.zeros(per, L, dtype=torch.bool)

@@ -15,52 +15,13 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from dist_glm5.messages import StepPlan, StepResult
-from dist_glm5.sampling import SamplingParams, check_vocab
+from dist_glm5.stages.messages import StepPlan, StepResult
+from dist_glm5.sampling.params import SamplingParams, check_vocab
 
+from .pipeline import Pipeline, StageFailure
 from .scheduler import Scheduler, SchedulerConfig, Sequence
 
 log = logging.getLogger(__name__)
-
-
-class StageFailure(RuntimeError):
-    def __init__(self, stage: int, rank: int, error: str):
-        super().__init__(f"stage {stage} rank {rank} failed: {error.strip().splitlines()[0] if error.strip() else error}")
-        self.stage, self.rank, self.detail = stage, rank, error
-
-
-class Pipeline(Protocol):
-    def send(self, plan: StepPlan) -> None: ...
-    def recv(self, timeout: float) -> StepResult: ...
-    def restart(self) -> None: ...
-    def close(self) -> None: ...
-
-
-class InProcessPipeline:
-    """One stage, one rank, in this process: plans run as they are sent."""
-
-    def __init__(self, spec, worker_cls=None):
-        from .worker import StageWorker
-
-        self.spec, self.worker_cls = spec, worker_cls or StageWorker
-        self.worker = self.worker_cls(spec)
-        self.results: list[StepResult] = []
-
-    def send(self, plan: StepPlan) -> None:
-        try:
-            self.results.append(self.worker.step(plan))
-        except Exception as e:
-            raise StageFailure(0, 0, f"{type(e).__name__}: {e}") from e
-
-    def recv(self, timeout: float) -> StepResult:
-        return self.results.pop(0)
-
-    def restart(self) -> None:
-        self.worker = self.worker_cls(self.spec)
-        self.results = []
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass

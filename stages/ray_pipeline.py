@@ -16,11 +16,11 @@ import time
 
 import zmq
 
-from dist_glm5.config import ModelConfig
-from dist_glm5.messages import Hello, Shutdown, StepPlan, StepResult, StepTiming, WorkerError, pack, unpack
-from dist_glm5.partition import partition_layers
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.stages.messages import Hello, Shutdown, StepPlan, StepResult, StepTiming, WorkerError, pack, unpack
+from dist_glm5.planning.partition import partition_layers
 
-from .coordinator import StageFailure
+from .pipeline import StageFailure
 from .worker import StageSpec, serve
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from dist_glm5.messages import SeqOutput, SeqWork, StepPlan
-from dist_glm5.sampling import SamplingParams
+from dist_glm5.stages.messages import SeqOutput, SeqWork, StepPlan
+from dist_glm5.sampling.params import SamplingParams
 
 
 @dataclass

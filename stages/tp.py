@@ -14,9 +14,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dist_glm5.layer import DecoderLayer
-from dist_glm5.model import Glm5Model
-from dist_glm5.moe import MLP, MoE, MXFP4Experts
+from dist_glm5.model.layer import DecoderLayer
+from dist_glm5.model.glm5 import Glm5Model
+from dist_glm5.model.moe import MLP, MoE, MXFP4Experts
 
 
 def _linear(w: torch.Tensor) -> nn.Linear:

@@ -17,18 +17,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dist_glm5.config import ModelConfig
-from dist_glm5.dsa import DSAConfig
-from dist_glm5.kv_cache import Chunk
-from dist_glm5.loader import load_model
-from dist_glm5.memory import peak_rss_mb
-from dist_glm5.messages import SeqOutput, SeqWork, StepPlan, StepResult
-from dist_glm5.partition import expert_ranges
-from dist_glm5.profiler import PROF
-from dist_glm5.rejection import verify_draft
-from dist_glm5.sampling import (SamplingParams, make_generator, process_logits, sample_one, target_probs,
-                                token_logprobs)
-from dist_glm5.shards import ShardedCheckpoint, is_sharded
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.model.dsa import DSAConfig
+from dist_glm5.model.kv_cache import Chunk
+from dist_glm5.checkpoint.loader import load_model
+from dist_glm5.obs.peak_rss import peak_rss_mb
+from dist_glm5.stages.messages import SeqOutput, SeqWork, StepPlan, StepResult
+from dist_glm5.planning.partition import expert_ranges
+from dist_glm5.obs.profiler import PROF
+from dist_glm5.sampling.rejection import verify_draft
+from dist_glm5.sampling.params import SamplingParams
+from dist_glm5.sampling.sampler import make_generator, process_logits, sample_one, target_probs, token_logprobs
+from dist_glm5.checkpoint.shards import ShardedCheckpoint, is_sharded
 
 from .tp import shard_tensor_parallel
 
@@ -218,7 +218,7 @@ def serve(spec: StageSpec, coord_addr: str, dist_init: str | None) -> None:
     results and errors out the same way; hidden states over torch.distributed."""
     import zmq
 
-    from dist_glm5.messages import Hello, Shutdown, StepTiming, WorkerError, pack, unpack
+    from dist_glm5.stages.messages import Hello, Shutdown, StepTiming, WorkerError, pack, unpack
 
     from .comm import Comm
 

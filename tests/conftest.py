@@ -20,13 +20,13 @@ def _isolated_home(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from dist_glm5.default_model import ensure_default_model
+    from dist_glm5.checkpoint.default_model import ensure_default_model
 
     return ensure_default_model()
 
 
 @pytest.fixture(scope="session")
 def default_model(default_model_dir):
-    from dist_glm5.loader import load_model
+    from dist_glm5.checkpoint.loader import load_model
 
     return load_model(default_model_dir)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from dist_glm5.config import ModelConfig
-from dist_glm5.stages.coordinator import Coordinator, InProcessPipeline
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.stages.coordinator import Coordinator
+from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
 from dist_glm5.stages.scheduler import SchedulerConfig
 from dist_glm5.stages.worker import StageSpec
-from dist_glm5.tokenizer import load_tokenizer
+from dist_glm5.checkpoint.tokenizer import load_tokenizer
 
 
 def prompts(lengths, seed=0, vocab=256):

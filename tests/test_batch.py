@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-LAUNCH = [sys.executable, "-c", "import sys; from dist_glm5.cli import launch_main; sys.exit(launch_main())"]
+LAUNCH = [sys.executable, "-c", "import sys; from dist_glm5.launch.cli import launch_main; sys.exit(launch_main())"]
 
 
 def _lines(path):

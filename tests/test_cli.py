@@ -13,7 +13,7 @@ import pytest
 
 def _run(*args, env=None):
     exe = shutil.which("launch") or None
-    cmd = [exe, *args] if exe else [sys.executable, "-c", "import sys; from dist_glm5.cli import launch_main; sys.exit(launch_main())", *args]
+    cmd = [exe, *args] if exe else [sys.executable, "-c", "import sys; from dist_glm5.launch.cli import launch_main; sys.exit(launch_main())", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
@@ -47,7 +47,7 @@ def test_bad_input_is_a_clear_error(args, needle, default_model_dir):
 
 
 def test_dist_glm5_launch_is_the_same_command(default_model_dir):
-    r = subprocess.run([sys.executable, "-m", "dist_glm5.cli", "launch", "generate", "--prompt-ids", "1,2,3",
+    r = subprocess.run([sys.executable, "-m", "dist_glm5.launch.cli", "launch", "generate", "--prompt-ids", "1,2,3",
                         "--max-tokens", "3", "--json"], capture_output=True, text=True, timeout=300)
     a = _run("generate", "--prompt-ids", "1,2,3", "--max-tokens", "3", "--json")
     assert json.loads(r.stdout)["token_ids"] == json.loads(a.stdout)["token_ids"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_glm5.config import ModelConfig
+from dist_glm5.model.config import ModelConfig
 from hf_tiny import BASE, CONFIGS
 
 

@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-from dist_glm5.generate import full_logits
-from dist_glm5.loader import load_model
-from dist_glm5.safetensors_io import Checkpoint, CheckpointError, SafeTensorsFile, save_streaming
+from dist_glm5.model.reference_loop import full_logits
+from dist_glm5.checkpoint.loader import load_model
+from dist_glm5.checkpoint.safetensors_io import Checkpoint, CheckpointError, SafeTensorsFile, save_streaming
 from hf_tiny import make_hf_model
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def _prompts(n=4, length=48):
 
 
 def test_glm53_layout_and_bytes(bf16_dir, converted):
-    from dist_glm5.mxfp4 import encode
+    from dist_glm5.quant.mxfp4 import encode
 
     cfg = json.loads((converted / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "dist_glm5" and cfg["quantization_config"]["rule"] == "quark"
@@ -209,8 +209,8 @@ def test_probe_finds_gate_up_and_says_inconclusive_when_it_cannot_tell(converted
 
 def test_runtime_generates_from_converted_and_sharded(converted, tmp_path):
     from dist_glm5.convert.shard import shard_checkpoint
-    from dist_glm5.generate import generate
-    from dist_glm5.sampling import SamplingParams
+    from dist_glm5.model.reference_loop import generate
+    from dist_glm5.sampling.params import SamplingParams
 
     sh = tmp_path / "sh"
     shard_checkpoint(converted, sh, stages=2, ep=1)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from dist_glm5.generate import full_logits, generate
-from dist_glm5.kv_cache import Chunk
-from dist_glm5.sampling import SamplingParams
+from dist_glm5.model.reference_loop import full_logits, generate
+from dist_glm5.model.kv_cache import Chunk
+from dist_glm5.sampling.params import SamplingParams
 
 
 def _prompt(n: int, seed: int, vocab: int = 256) -> list[int]:

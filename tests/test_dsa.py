@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dist_glm5.dsa as dsa
-from dist_glm5.config import ModelConfig
-from dist_glm5.dsa import DSAConfig, gather_plan
-from dist_glm5.generate import full_logits, generate
-from dist_glm5.indexer import select_topk_reference
-from dist_glm5.kv_cache import Chunk
-from dist_glm5.loader import load_model
-from dist_glm5.sampling import SamplingParams
-from dist_glm5.topk import kth_largest_bisect, pack_mask, select_topk_bisect, unpack_mask
+import dist_glm5.model.dsa as dsa
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.model.dsa import DSAConfig, gather_plan
+from dist_glm5.model.reference_loop import full_logits, generate
+from dist_glm5.model.indexer import select_topk_reference
+from dist_glm5.model.kv_cache import Chunk
+from dist_glm5.checkpoint.loader import load_model
+from dist_glm5.sampling.params import SamplingParams
+from dist_glm5.ops.topk import kth_largest_bisect, pack_mask, select_topk_bisect, unpack_mask
 from runtime_util import prompts
 
 INF = float("inf")

@@ -14,13 +14,13 @@ import re
 import pytest
 import torch
 
-from dist_glm5.config import ModelConfig
-from dist_glm5.default_model import random_weights
-from dist_glm5.generate import full_logits
-from dist_glm5.kv_cache import Chunk
-from dist_glm5.loader import load_model
-from dist_glm5.mxfp4 import decode, encode
-from dist_glm5.safetensors_io import Checkpoint, CheckpointError, save_streaming
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.checkpoint.default_model import random_weights
+from dist_glm5.model.reference_loop import full_logits
+from dist_glm5.model.kv_cache import Chunk
+from dist_glm5.checkpoint.loader import load_model
+from dist_glm5.quant.mxfp4 import decode, encode
+from dist_glm5.checkpoint.safetensors_io import Checkpoint, CheckpointError, save_streaming
 from hf_tiny import make_hf_model
 
 QUANTISED = re.compile(r"\.mlp\.(experts\.\d+|shared_experts)\.(gate|up|down)_proj\.weight$")

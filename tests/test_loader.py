@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from dist_glm5.generate import full_logits
-from dist_glm5.loader import load_model
-from dist_glm5.safetensors_io import Checkpoint, CheckpointError, save_streaming
+from dist_glm5.model.reference_loop import full_logits
+from dist_glm5.checkpoint.loader import load_model
+from dist_glm5.checkpoint.safetensors_io import Checkpoint, CheckpointError, save_streaming
 from hf_tiny import save_hf_model
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_glm5.config import ModelConfig
-from dist_glm5.dsa import DSAConfig
-from dist_glm5.partition import partition_layers
-from dist_glm5.planner import worker_memory
-from dist_glm5.sampling import SamplingParams
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.model.dsa import DSAConfig
+from dist_glm5.planning.partition import partition_layers
+from dist_glm5.planning.worker_memory import worker_memory
+from dist_glm5.sampling.params import SamplingParams
 from dist_glm5.stages.coordinator import Coordinator
 from dist_glm5.stages.scheduler import SchedulerConfig
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from dist_glm5.bench.generate_vs_hf import hf_copy
-from dist_glm5.kv_cache import Chunk
-from dist_glm5.safetensors_io import Checkpoint
+from dist_glm5.model.kv_cache import Chunk
+from dist_glm5.checkpoint.safetensors_io import Checkpoint
 
 
 def _rms(x, w, eps):

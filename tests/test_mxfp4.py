@@ -1,4 +1,4 @@
-"""Fast tests of the MXFP4 codec (dist_glm5.mxfp4); no amd-quark or torchao needed.
+"""Fast tests of the MXFP4 codec (dist_glm5.quant.mxfp4); no amd-quark or torchao needed.
 
 `encode_block_reference` is an independent pure-Python statement of both rules for ONE block of
 32 values, quirks included; hypothesis checks the vectorised encoder against it on random blocks.
@@ -21,8 +21,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dist_glm5 import mxfp4
-from dist_glm5.mxfp4 import decode, encode, encode_chunked
+from dist_glm5.quant import mxfp4
+from dist_glm5.quant.mxfp4 import decode, encode, encode_chunked
 
 RULES = ("quark", "ocp")
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -50,7 +50,7 @@ def encode_block_reference(values, rule: str) -> tuple[list[int], int]:
     """32 fp32-representable floats -> (32 E2M1 codes with sign bit, E8M0 scale byte).
 
     Written from the OCP spec plus each quirk measured on amd-quark 0.13 / torchao 0.18 (x86-64),
-    independently of the vectorised bit tricks in dist_glm5.mxfp4.
+    independently of the vectorised bit tricks in dist_glm5.quant.mxfp4.
     """
     vals = [float(np.float32(v)) for v in values]
     assert len(vals) == 32
@@ -312,7 +312,7 @@ def test_encode_memory_is_bounded():
     """A 2048 x 6144 bf16 expert (24 MiB) encodes with a bounded peak (here: < 2x its size)."""
     code = textwrap.dedent("""
         import resource, torch
-        from dist_glm5.mxfp4 import encode
+        from dist_glm5.quant.mxfp4 import encode
         torch.set_num_threads(1)
         w = torch.randn(2048, 6144, dtype=torch.bfloat16)  # no larger temporary before the baseline
         encode(w[:8]); encode(w[:8], "ocp")

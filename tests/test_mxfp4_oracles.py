@@ -1,4 +1,4 @@
-"""Byte identity of dist_glm5.mxfp4 with the real encoders it reproduces.
+"""Byte identity of dist_glm5.quant.mxfp4 with the real encoders it reproduces.
 
 - rule "quark" vs AMD Quark (PyPI `amd-quark`, 0.13): the exact code path of Quark's weight-only
   MXFP4 export. A weight FakeQuantize built from `OCP_MXFP4Spec(ch_axis=-1, is_dynamic=False)`
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_glm5.mxfp4 import decode, encode
+from dist_glm5.quant.mxfp4 import decode, encode
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from dist_glm5.config import ModelConfig
-from dist_glm5.generate import generate
-from dist_glm5.sampling import SamplingParams
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.model.reference_loop import generate
+from dist_glm5.sampling.params import SamplingParams
 from dist_glm5.stages.coordinator import Coordinator
 from dist_glm5.stages.scheduler import SchedulerConfig
 from runtime_util import prompts
@@ -81,8 +81,8 @@ def test_layouts_equal_single_process(cluster, default_model_dir, want, stages, 
 
 
 def test_placement_on_two_ep_ranks_keeps_outputs(cluster, default_model_dir, want):
-    from dist_glm5.loader import load_model
-    from dist_glm5.placement import RouteRecorder, attach, fit_placement
+    from dist_glm5.checkpoint.loader import load_model
+    from dist_glm5.planning.expert_placement import RouteRecorder, attach, fit_placement
 
     m = load_model(default_model_dir)
     rec = RouteRecorder(m.cfg.n_routed_experts)
@@ -109,7 +109,7 @@ def test_profile_two_stages_two_ranks(cluster, default_model_dir, tmp_path):
 def test_mxfp4_checkpoint_through_two_stages(cluster, default_model_dir, tmp_path):
     from dist_glm5.convert.glm53 import convert_glm53
     from dist_glm5.convert.shard import shard_checkpoint
-    from dist_glm5.loader import load_model
+    from dist_glm5.checkpoint.loader import load_model
 
     mx = tmp_path / "mx"
     convert_glm53(default_model_dir, mx)

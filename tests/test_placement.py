@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from dist_glm5.generate import generate
-from dist_glm5.loader import load_model
-from dist_glm5.placement import RouteRecorder, attach, check_placement, fit_placement, imbalance
-from dist_glm5.sampling import SamplingParams
+from dist_glm5.model.reference_loop import generate
+from dist_glm5.checkpoint.loader import load_model
+from dist_glm5.planning.expert_placement import RouteRecorder, attach, check_placement, fit_placement, imbalance
+from dist_glm5.sampling.params import SamplingParams
 from runtime_util import prompts
 
 P = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -59,7 +59,7 @@ def test_outputs_identical_with_and_without_placement(default_model_dir, default
 
 
 def test_ep_tp_layouts_cover_the_cards(default_model, recorded):
-    from dist_glm5.placement import layouts
+    from dist_glm5.planning.expert_placement import layouts
 
     routes, _ = recorded
     rows = layouts(routes, 8, default_model.cfg)

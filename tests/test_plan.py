@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dist_glm5.config import ModelConfig
-from dist_glm5.plan import GB, Hardware, Layout, check, plan
-from dist_glm5.planner import model_weight_bytes
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.planning.cluster_fit import GB, Hardware, Layout, check, plan
+from dist_glm5.planning.worker_memory import model_weight_bytes
 
 FIXTURE = Path(__file__).parent / "fixtures" / "glm5"
 GAUDI2 = Hardware()
@@ -47,7 +47,7 @@ def test_128k_fits_one_node_and_637k_fits_two_not_one(cfg):
 
 def test_dry_run_from_a_directory_with_only_config_json(tmp_path):
     (tmp_path / "config.json").write_text((FIXTURE / "config.json").read_text())
-    launch = [sys.executable, "-c", "import sys; from dist_glm5.cli import launch_main; sys.exit(launch_main())"]
+    launch = [sys.executable, "-c", "import sys; from dist_glm5.launch.cli import launch_main; sys.exit(launch_main())"]
     r = subprocess.run([*launch, "single-node", "--model", str(tmp_path), "--ctx", "128k", "--backend", "hpu",
                         "--dry-run", "--weights-format", "mxfp4"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -61,7 +61,7 @@ def test_dry_run_from_a_directory_with_only_config_json(tmp_path):
 
 
 def test_weight_format_from_quantization_config(cfg):
-    from dist_glm5.plan import weights_format_of
+    from dist_glm5.planning.cluster_fit import weights_format_of
 
     raw = cfg.to_hf()
     assert weights_format_of(ModelConfig.from_hf({**raw, "quantization_config": {"quant_method": "quark"}})) == "mxfp4"

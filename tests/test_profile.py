@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-LAUNCH = [sys.executable, "-c", "import sys; from dist_glm5.cli import launch_main; sys.exit(launch_main())"]
+LAUNCH = [sys.executable, "-c", "import sys; from dist_glm5.launch.cli import launch_main; sys.exit(launch_main())"]
 
 
 def check_profile(out_dir, stages: int, ranks: int):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_glm5.config import RopeConfig
-from dist_glm5.rope import MAX_POSITIONS, RopeTable, apply_rope
+from dist_glm5.model.config import RopeConfig
+from dist_glm5.model.rope import MAX_POSITIONS, RopeTable, apply_rope
 
 
 def _cos_sin_hf(table: RopeTable, pos: torch.Tensor):

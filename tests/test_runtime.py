@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_glm5.generate import generate
-from dist_glm5.rejection import verify_draft
-from dist_glm5.sampling import SamplingParams
+from dist_glm5.model.reference_loop import generate
+from dist_glm5.sampling.rejection import verify_draft
+from dist_glm5.sampling.params import SamplingParams
 from dist_glm5.stages.worker import StageWorker
 from runtime_util import coordinator, prompts
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_glm5.sampling import SamplingParams, filtered_logprobs, sample
+from dist_glm5.sampling.params import SamplingParams
+from dist_glm5.sampling.sampler import filtered_logprobs, sample
 
 
 def test_filters():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_glm5.generate import full_logits
-from dist_glm5.sampling import SamplingParams
+from dist_glm5.model.reference_loop import full_logits
+from dist_glm5.sampling.params import SamplingParams
 from runtime_util import coordinator, prompts
 
 P = prompts([12, 40], seed=7)
@@ -78,7 +78,7 @@ def test_bad_words(coord, greedy):
 
 
 def test_stop_strings(coord, greedy, default_model_dir):
-    from dist_glm5.tokenizer import load_tokenizer
+    from dist_glm5.checkpoint.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_dir)
     text = tok.decode(greedy[1])

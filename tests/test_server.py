@@ -11,7 +11,7 @@ import time
 import pytest
 
 openai = pytest.importorskip("openai")
-LAUNCH = [sys.executable, "-c", "import sys; from dist_glm5.cli import launch_main; sys.exit(launch_main())"]
+LAUNCH = [sys.executable, "-c", "import sys; from dist_glm5.launch.cli import launch_main; sys.exit(launch_main())"]
 
 
 def start(*args, env=None):

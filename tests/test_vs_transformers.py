@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_glm5.generate import full_logits, generate
-from dist_glm5.loader import load_model
-from dist_glm5.sampling import SamplingParams
+from dist_glm5.model.reference_loop import full_logits, generate
+from dist_glm5.checkpoint.loader import load_model
+from dist_glm5.sampling.params import SamplingParams
 from hf_tiny import CONFIGS, save_hf_model
 
 PROMPT_LEN = 72

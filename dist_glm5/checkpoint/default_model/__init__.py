@@ -1,0 +1,74 @@
+"""The embedded default model: a small GLM-5-architecture config shipped in the repo.
+
+Weights are made deterministically from a seed on first use and cached on disk as an ordinary HF
+checkpoint (per-expert names, config.json, a byte-level tokenizer), so it needs no download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.checkpoint.safetensors_io import save_streaming
+from dist_glm5.checkpoint.tokenizer import BYTE_TOKENIZER
+
+log = logging.getLogger(__name__)
+CONFIG_PATH = Path(__file__).with_name("config.json")
+SEED = 5
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DIST_GLM5_HOME", Path.home() / ".cache" / "dist_glm5"))
+
+
+def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic weights under HF names; scales chosen so activations stay O(1) through the stack."""
+    from dist_glm5.checkpoint.loader import hf_state_dict
+    from dist_glm5.model.glm5 import Glm5Model
+
+    with torch.device("meta"):
+        shapes = {k: (tuple(v.shape), v.dtype) for k, v in hf_state_dict(Glm5Model(cfg)).items()}
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in sorted(shapes):
+        shape, dtype = shapes[name]
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith(".bias"):  # the indexer key norm bias and the router correction bias
+            t = 0.05 * torch.randn(shape, generator=g)
+        elif "embed_tokens" in name:
+            t = torch.randn(shape, generator=g)
+        else:  # linear weights [out, in]
+            t = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+        out[name] = t.to(dtype)
+    return out
+
+
+def ensure_default_model() -> Path:
+    """Directory of the embedded model, created (atomically) on first use."""
+    raw = CONFIG_PATH.read_bytes()
+    tag = hashlib.sha256(raw + str(SEED).encode()).hexdigest()[:12]
+    dst = cache_root() / "models" / f"default-{tag}"
+    if (dst / "model.safetensors").exists():
+        return dst
+    cfg = ModelConfig.from_hf(json.loads(raw))
+    log.info("creating the embedded default model in %s (first use)", dst)
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_bytes(raw)
+    (tmp / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": BYTE_TOKENIZER}))
+    save_streaming(tmp / "model.safetensors", random_weights(cfg, SEED), metadata={"format": "pt"})
+    try:
+        os.replace(tmp, dst)
+    except OSError:  # another process won the race: theirs is complete, keep it
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst

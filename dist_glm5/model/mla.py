@@ -1,0 +1,161 @@
+"""Multi-head latent attention with DSA sparse selection, over the paged cache.
+
+Two forms of the same math, one reference each:
+- `mla_expanded` (prefill): expand the cached latent into per-head keys and values with kv_b_proj.
+- `mla_absorbed` (decode): fold kv_b_proj's key half into the query and its value half into the
+  output, so attention runs directly over the compressed latent cache (what serving kernels do).
+The cache row per token is [kv_a_layernorm(latent) | roped k_rot].
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_glm5.model import dsa
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.model.dsa import DSAConfig
+from dist_glm5.model.indexer import Indexer, index_scores, select_topk_reference
+from dist_glm5.model.kv_cache import SMALL_CHUNK, ForwardBatch, PagedKVCache
+from dist_glm5.model.norm import RMSNorm
+from dist_glm5.obs.profiler import PROF
+from dist_glm5.model.rope import apply_rope
+
+def mla_expanded(q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+                 w_kv_b: torch.Tensor, keep: torch.Tensor, scale: float, nope: int) -> torch.Tensor:
+    # q_nope: [B, n, h, nope], q_rot: [B, n, h, r], latent: [B, L, c], k_rot: [B, L, r],
+    # w_kv_b: [h*(nope+v), c], keep: [B, n, L] bool -> out [B, n, h, v]
+    B, n, h, _ = q_nope.shape
+    kv = F.linear(latent, w_kv_b).view(B, latent.shape[1], h, -1)  # [B, L, h, nope+v]
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    s = torch.einsum("bnhd,blhd->bhnl", q_nope, k_nope) + torch.einsum("bnhr,blr->bhnl", q_rot, k_rot)
+    s = (s * scale).masked_fill(~keep[:, None], float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.einsum("bhnl,blhv->bnhv", p, v)
+
+
+def mla_absorbed(q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+                 w_kv_b: torch.Tensor, keep: torch.Tensor, scale: float, nope: int) -> torch.Tensor:
+    # Same signature and result as mla_expanded; cost O(L * c) per head instead of O(L * h * (nope+v)).
+    B, n, h, _ = q_nope.shape
+    c = latent.shape[-1]
+    w = w_kv_b.view(h, -1, c)  # [h, nope+v, c]
+    w_uk, w_uv = w[:, :nope], w[:, nope:]  # [h, nope, c], [h, v, c]
+    q_lat = torch.einsum("bnhd,hdc->bnhc", q_nope, w_uk)
+    s = torch.einsum("bnhc,blc->bhnl", q_lat, latent) + torch.einsum("bnhr,blr->bhnl", q_rot, k_rot)
+    s = (s * scale).masked_fill(~keep[:, None], float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(latent.dtype)
+    o_lat = torch.einsum("bhnl,blc->bnhc", p, latent)
+    return torch.einsum("bnhc,hvc->bnhv", o_lat, w_uv)
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads = cfg.num_attention_heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        self.scale = cfg.softmax_scale
+        self.interleave = cfg.rope_interleave
+        self.topk = cfg.index_topk
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_cache_dim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=1e-6)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.indexer = Indexer(cfg) if cfg.has_indexer(layer) else None
+        self.dsa = DSAConfig()  # set by Glm5Model.set_dsa; "reference" masks densely, "sparse" gathers
+        # (rank, ranks, exchange): indexer rows split over a stage's ranks (set by stages/tp.py)
+        self.row_split: tuple[int, int, Callable] | None = None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache,
+                cos: torch.Tensor, sin: torch.Tensor, prev_keep: list[torch.Tensor] | None
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """x: [T, H] -> out [T, H], and the key selection per attention group [B, n, L] for shared layers."""
+        T = x.shape[0]
+        h = self.q_b_proj.out_features // (self.nope + self.rope)  # local heads (fewer under TP)
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(T, h, self.nope + self.rope)
+        q_nope, q_rot = q[..., :self.nope], apply_rope(q[..., self.nope:], cos, sin, self.interleave)
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(ckv[:, :self.kv_lora])
+        k_rot = apply_rope(ckv[:, None, self.kv_lora:], cos, sin, self.interleave)[:, 0]
+        kv_store = cache.kv[self.layer]
+        kv_store[batch.write_slots] = torch.cat([latent, k_rot], dim=-1).to(kv_store.dtype)
+
+        if self.indexer is not None:
+            with PROF.span("indexer"):
+                iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
+            idx_store = cache.index_k[self.layer]
+            idx_store[batch.write_slots] = ik.to(idx_store.dtype)
+        elif prev_keep is None:
+            raise ValueError(f"layer {self.layer} is a 'shared' DSA layer but no previous full layer's selection was passed")
+
+        if self.dsa.mode == "sparse":
+            return self._sparse(x, batch, q_nope, q_rot, kv_store, iq if self.indexer else None,
+                                iw if self.indexer else None, idx_store if self.indexer else None, prev_keep, h)
+        out = torch.empty(T, h, self.v_dim, dtype=x.dtype)
+        keeps = []
+        for gi, g in enumerate(batch.groups):
+            rows = kv_store[g.slots].to(x.dtype)  # [B, L, c + r]
+            if self.indexer is not None:
+                with PROF.span("indexer"):
+                    scores = index_scores(iq[g.tok], iw[g.tok], idx_store[g.slots], self.indexer.head_dim)
+                    keep = select_topk_reference(scores, g.q_pos, self.topk)  # [B, n, L]
+            else:
+                keep = prev_keep[gi]
+            keeps.append(keep)
+            # decode-sized groups attend over the compressed latent; prefill expands it per head
+            attn = mla_absorbed if g.tok.shape[1] <= SMALL_CHUNK else mla_expanded
+            o = attn(q_nope[g.tok], q_rot[g.tok], rows[..., :self.kv_lora], rows[..., self.kv_lora:],
+                     self.kv_b_proj.weight, keep, self.scale, self.nope)
+            out[g.tok[g.valid]] = o[g.valid]
+        return self.o_proj(out.reshape(T, h * self.v_dim)), keeps
+
+    def _sparse(self, x, batch, q_nope, q_rot, kv_store, iq, iw, idx_store, prev_keep, h):
+        """The scaled path (dist_glm5/dsa.py): per-row bisection top-k, capped gathers, union windows."""
+        T = x.shape[0]
+        c = self.kv_lora
+        w = self.kv_b_proj.weight.view(h, -1, c)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
+        out = torch.empty(T, h, self.v_dim, dtype=x.dtype)
+        keeps = []
+        for gi, g in enumerate(batch.groups):
+            small = g.tok.shape[1] <= SMALL_CHUNK
+            gkeep, sel, sel_ok, toks_all = [], [], [], []
+            for bi in range(g.tok.shape[0]):
+                toks = g.tok[bi][g.valid[bi]]
+                qpos = g.q_pos[bi][g.valid[bi]]
+                L = int(qpos.max()) + 1
+                slots = g.slots[bi, :L]
+                if self.indexer is not None:
+                    with PROF.span("indexer"):
+                        keep = dsa.select(iq[toks], iw[toks], idx_store, slots, qpos, self.topk,
+                                          self.indexer.head_dim, self.dsa, self.row_split)
+                else:
+                    keep = prev_keep[gi][bi]
+                gkeep.append(keep)
+                q_lat = torch.einsum("nhd,hdc->nhc", q_nope[toks], w_uk)
+                if small:  # decode: gather exactly each row's selected keys
+                    s_, ok = dsa.selected_slots(keep, slots, self.topk)
+                    pad = self.topk - s_.shape[1]
+                    sel.append(torch.nn.functional.pad(s_, (0, pad), value=int(slots[0])))
+                    sel_ok.append(torch.nn.functional.pad(ok, (0, pad), value=False))
+                    toks_all.append((toks, q_lat))
+                else:
+                    o_lat = dsa.sparse_prefill(q_lat, q_rot[toks], kv_store, slots, keep, c, self.scale, self.dsa)
+                    out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(x.dtype), w_uv)
+            if small:
+                toks = torch.cat([t for t, _ in toks_all])
+                q_lat = torch.cat([q for _, q in toks_all])
+                o_lat = dsa.attend_gathered(q_lat, q_rot[toks], kv_store, torch.cat(sel), torch.cat(sel_ok), c,
+                                            self.scale, self.dsa.gather_cap_bytes)
+                out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(x.dtype), w_uv)
+            keeps.append(gkeep)
+        return self.o_proj(out.reshape(T, h * self.v_dim)), keeps

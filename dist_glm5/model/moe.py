@@ -1,0 +1,125 @@
+"""Dense MLP, routed experts and the MoE block (routed experts + shared expert).
+
+Routed experts are held fused in the serving layout: w13 [E_local, 2I, H] with each expert's rows
+[gate; up] concatenated (not interleaved), and w2 [E_local, H, I]. Under expert parallelism a rank
+holds experts first_expert .. first_expert+E_local-1 and contributes only their outputs (the
+caller sums over ranks). `experts_reference` is the plain loop every fast kernel is checked against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.obs.profiler import PROF
+from dist_glm5.model.router import Router
+
+
+def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    # x: [n, H], w13: [2I, H] ([gate; up]), w2: [H, I] -> [n, H]
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert_weights,
+                      first_expert: int, num_local: int) -> torch.Tensor:
+    """x: [T, H], weights/ids: [T, k] -> [T, H], the sum over this rank's experts only.
+
+    expert_weights(e_local) -> (w13 [2I, H], w2 [H, I]) in x's dtype (decoded if quantised).
+    """
+    out = torch.zeros_like(x)
+    local = ids.long() - first_expert
+    hit = (local >= 0) & (local < num_local)
+    for e in torch.unique(local[hit]).tolist():  # ascending id order, as the reference model
+        tok, slot = torch.where(local == e)
+        w13, w2 = expert_weights(e)
+        y = swiglu(x[tok], w13, w2) * weights[tok, slot, None].to(x.dtype)
+        out.index_add_(0, tok, y)
+    return out
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """Float routed experts in the fused serving layout."""
+
+    def __init__(self, cfg: ModelConfig, first_expert: int = 0, num_local: int | None = None):
+        super().__init__()
+        self.first_expert = first_expert
+        self.num_local = cfg.n_routed_experts if num_local is None else num_local
+        I, H = cfg.moe_intermediate_size, cfg.hidden_size
+        self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * I, H), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(self.num_local, H, I), requires_grad=False)
+
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w13_weight[e], self.w2_weight[e]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return experts_reference(x, weights, ids, self.expert_weights, self.first_expert, self.num_local)
+
+
+class MXFP4Experts(nn.Module):
+    """Routed experts in the packed MXFP4 serving layout (uint8 elements + E8M0 scales, blocks of 32
+    along the input dim), decoded per expert for the reference loop; fast kernels live in kernels/."""
+
+    def __init__(self, cfg: ModelConfig, first_expert: int = 0, num_local: int | None = None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.first_expert = first_expert
+        self.num_local = cfg.n_routed_experts if num_local is None else num_local
+        self.compute_dtype = dtype
+        I, H, E = cfg.moe_intermediate_size, cfg.hidden_size, self.num_local
+        for name, shape in (("w13_weight", (E, 2 * I, H // 2)), ("w13_weight_scale", (E, 2 * I, H // 32)),
+                            ("w2_weight", (E, H, I // 2)), ("w2_weight_scale", (E, H, I // 32))):
+            self.register_buffer(name, torch.zeros(shape, dtype=torch.uint8))
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) moves the compute dtype; the packed bytes stay uint8
+        probe = fn(torch.zeros(()))
+        if probe.is_floating_point():
+            self.compute_dtype = probe.dtype
+        return super()._apply(lambda t: t if t.dtype == torch.uint8 else fn(t), recurse)
+
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from dist_glm5.quant.mxfp4 import decode
+
+        return (decode(self.w13_weight[e], self.w13_weight_scale[e], self.compute_dtype),
+                decode(self.w2_weight[e], self.w2_weight_scale[e], self.compute_dtype))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return experts_reference(x, weights, ids, self.expert_weights, self.first_expert, self.num_local)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, experts: range | None = None):
+        super().__init__()
+        self.gate = Router(cfg)
+        experts = range(cfg.n_routed_experts) if experts is None else experts
+        cls = MXFP4Experts if cfg.experts_format == "mxfp4" else Experts
+        self.experts = cls(cfg, experts.start, len(experts))
+        self.recorder = None  # (RouteRecorder, layer) while routes are being recorded
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) \
+            if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with PROF.span("router"):
+            w, ids = self.gate(x)
+        if self.recorder is not None:
+            self.recorder[0].record(self.recorder[1], ids)
+        with PROF.span("experts"):
+            y = self.experts(x, w, ids)
+        if self.shared_experts is not None:
+            with PROF.span("shared"):
+                y = y + self.shared_experts(x)
+        return y

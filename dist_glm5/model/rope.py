@@ -1,0 +1,96 @@
+"""Rotary position embedding: host tables computed once in fp32 and sliced by position.
+
+The table is the host "rope cache" long context needs: cos/sin for every position up to the
+largest seen (grown by doubling, up to `MAX_POSITIONS`), so a step only slices rows. Both
+layouts are supported and read from the config: GLM rotates interleaved pairs (x0,x1),(x2,x3),...;
+DeepSeek-V3.2 rotates the two halves. Either way the output is written half-split
+([rotated evens | rotated odds]), as the reference does; q and k get the same permutation, so
+q.k is unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dist_glm5.model.config import RopeConfig
+
+MAX_POSITIONS = 1 << 20  # 1,048,576: covers the 637K two-node context with room to spare
+
+
+def inv_freq_and_scale(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] (fp32) and the cos/sin post-scale for the rope type."""
+    base = rope.theta
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.type == "default":
+        return inv, 1.0
+    if rope.type == "linear":
+        return inv / rope.factor, 1.0
+    # yarn (the same arithmetic as transformers' _compute_yarn_parameters)
+    omp = rope.original_max_position_embeddings or max_position_embeddings
+    factor = rope.factor if rope.factor is not None else max_position_embeddings / omp
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    att = rope.attention_factor
+    if att is None:
+        att = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim) \
+            if rope.mscale and rope.mscale_all_dim else mscale(factor)
+    beta_fast = rope.beta_fast or 32
+    beta_slow = rope.beta_slow or 1
+
+    def corr_dim(rot: float) -> float:
+        return (dim * math.log(omp / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extra = 1.0 / pos_freqs
+    inter = 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return inter * (1 - keep) + extra * keep, float(att)
+
+
+class RopeTable:
+    """cos/sin [positions, dim/2] in fp32 on the host, grown on demand and sliced per step."""
+
+    def __init__(self, rope: RopeConfig, dim: int, max_position_embeddings: int, initial: int = 4096):
+        self.inv_freq, self.scale = inv_freq_and_scale(rope, dim, max_position_embeddings)
+        self.cos = torch.empty(0, dim // 2)
+        self.sin = torch.empty(0, dim // 2)
+        self._grow(initial)
+
+    def _grow(self, n: int) -> None:
+        if n > MAX_POSITIONS:
+            raise ValueError(f"position {n - 1} is beyond the RoPE table limit {MAX_POSITIONS - 1}")
+        size = max(n, min(2 * self.cos.shape[0], MAX_POSITIONS))
+        freqs = torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        self.cos = freqs.cos() * self.scale
+        self.sin = freqs.sin() * self.scale
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] int64 -> cos, sin: [T, dim/2] fp32
+        hi = int(positions.max()) + 1 if positions.numel() else 0
+        if hi > self.cos.shape[0]:
+            self._grow(hi)
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    # x: [T, ..., dim]; cos/sin: [T, dim/2] broadcast over the middle (head) dims.
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    cos = cos.to(x.dtype).view(shape)
+    sin = sin.to(x.dtype).view(shape)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,0 +1,1 @@
+"""Hot ops behind one interface each, the reference beside the fast path; the backend picks."""

@@ -1,0 +1,2 @@
+"""Planning, computed not measured: stage partition, per-worker memory, cluster fit, expert
+placement."""

@@ -1,0 +1,1 @@
+"""Quantisation formats: the MXFP4 codec (Quark and OCP rules)."""

@@ -1,0 +1,81 @@
+"""Per-request sampling parameters and the reference sampler.
+
+Order (as vLLM): logit_bias, then min_tokens (eos and stop ids masked until enough tokens) and
+bad_words (a word's last token is banned where the output ends with the rest of it), then
+temperature, top-k, top-p, min-p. Greedy (temperature 0) is argmax with ties to the lowest id.
+Sampling draws from the request's own generator (seeded per request, so a seeded request is
+reproducible whatever else is in the batch). Logprobs are of the model's raw distribution.
+Stop strings are matched by the coordinator on detokenised text.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dist_glm5.sampling.params import SamplingParams
+
+
+def process_logits(logits: torch.Tensor, p: SamplingParams, history: list[int], eos: tuple[int, ...]) -> torch.Tensor:
+    """logits [V] fp32 -> logits after logit_bias, min_tokens and bad_words (before temperature)."""
+    x = logits.float().clone()
+    for tok, b in p.logit_bias.items():
+        x[tok] += b
+    if len(history) < p.min_tokens:
+        ban = [*p.stop_token_ids, *([] if p.ignore_eos else eos)]
+        if ban:
+            x[list(ban)] = float("-inf")
+    for w in p.bad_words:
+        if len(w) == 1 or (len(history) >= len(w) - 1 and tuple(history[len(history) - len(w) + 1:]) == w[:-1]):
+            x[w[-1]] = float("-inf")
+    return x
+
+
+def filtered_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits: [V] fp32 -> log-probabilities [V] after temperature and the filters (-inf where removed)."""
+    x = logits.float() / p.temperature
+    if p.top_k and p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        probs, order = torch.sort(torch.softmax(x, -1), descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the token that crosses it stays)
+        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if p.min_p > 0:
+        probs = torch.softmax(x, -1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return torch.log_softmax(x, -1)
+
+
+def target_probs(processed: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a token is drawn from: [V] probabilities (one-hot at the argmax when greedy)."""
+    if p.greedy:
+        return torch.zeros_like(processed).scatter_(0, processed.argmax().view(1), 1.0)
+    return filtered_logprobs(processed, p).exp()
+
+
+def sample_one(processed: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    if p.greedy:
+        return int(torch.argmax(processed))
+    return int(torch.multinomial(filtered_logprobs(processed, p).exp(), 1, generator=gen)[0])
+
+
+def token_logprobs(logits: torch.Tensor, token: int, n: int) -> dict:
+    """The raw model log-probability of `token` and the top-n alternatives."""
+    lp = torch.log_softmax(logits.float(), -1)
+    top = torch.topk(lp, n) if n else None
+    return {"token": token, "logprob": float(lp[token]),
+            "top": [[int(i), float(v)] for v, i in zip(top.values, top.indices)] if top is not None else []}
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits: [B, V] -> token ids [B] int64 (no history-dependent processing)."""
+    return torch.tensor([sample_one(logits[i], p, generators[i]) for i, p in enumerate(params)], dtype=torch.int64)
+
+
+def make_generator(p: SamplingParams) -> torch.Generator | None:
+    if p.greedy:
+        return None
+    g = torch.Generator()
+    g.manual_seed(p.seed if p.seed is not None else torch.seed())
+    return g

@@ -1,0 +1,21 @@
+"""What the coordinator drives: a pipeline of stage workers that takes plans and returns results,
+in this process (`InProcessPipeline`) or as Ray actors (`ray_pipeline.RayPipeline`)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from dist_glm5.stages.messages import StepPlan, StepResult
+
+
+class StageFailure(RuntimeError):
+    def __init__(self, stage: int, rank: int, error: str):
+        super().__init__(f"stage {stage} rank {rank} failed: {error.strip().splitlines()[0] if error.strip() else error}")
+        self.stage, self.rank, self.detail = stage, rank, error
+
+
+class Pipeline(Protocol):
+    def send(self, plan: StepPlan) -> None: ...
+    def recv(self, timeout: float) -> StepResult: ...
+    def restart(self) -> None: ...
+    def close(self) -> None: ...
