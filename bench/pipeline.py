@@ -33,12 +33,14 @@ def measure(d: str, stages: int, microbatches: int, mtp: bool, prompts, new_toke
     from dist_glm5.sampling.params import SamplingParams
     from dist_glm5.stages.coordinator import Coordinator
     from dist_glm5.stages.ray_pipeline import RayPipeline
+    from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout
     from dist_glm5.stages.scheduler import SchedulerConfig
 
     cfg = ModelConfig.from_hf(d)
-    pipe = RayPipeline(d, stages=stages, mtp=mtp, cache_blocks=64)
-    c = Coordinator(pipe, SchedulerConfig(microbatches=microbatches, mtp=mtp, chunk_tokens=512), cfg.eos_token_id,
-                    cfg.vocab_size)
+    engine = EngineConfig(d, Layout(stages), CacheConfig(64),
+                          SchedulerConfig(microbatches=microbatches, chunk_tokens=512), mtp=mtp)
+    pipe = RayPipeline(engine)
+    c = Coordinator(pipe, engine.scheduler, cfg.eos_token_id, cfg.vocab_size)
     try:
         c.run(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up every worker
         pipe.timings.clear()

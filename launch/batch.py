@@ -17,7 +17,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .engine_args import add_layout_args, build_engine, model_dir
+from dist_glm5.model.dsa_config import DSAConfig
+
+from .engine_args import add_layout_args, build_engine, engine_config, model_dir
 
 log = logging.getLogger(__name__)
 FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "logit_bias",
@@ -79,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     if out_path.exists() and out_path.read_bytes() and not out_path.read_bytes().endswith(b"\n"):
         with open(out_path, "ab") as f:  # close a torn line so the next result starts on its own line
             f.write(b"\n")
-    engine = build_engine(args, d, dsa={"mode": "sparse"} if args.sparse else None)
+    engine = build_engine(engine_config(
+        args, d, dsa=DSAConfig(mode="sparse") if args.sparse else None))
     pending: dict[int, dict] = {}
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="batch", unit="prompt")
     try:

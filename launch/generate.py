@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .engine_args import add_layout_args, build_engine, model_dir
+from .engine_args import add_layout_args, build_engine, engine_config, model_dir
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()
-    engine = build_engine(args, d)
+    engine = build_engine(engine_config(args, d))
     t1 = time.perf_counter()
     try:
         seq = engine.run([ids], params)[0]

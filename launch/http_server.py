@@ -132,11 +132,13 @@ class App:
             "# TYPE dist_glm5_steps_total counter", f"dist_glm5_steps_total {st.steps}",
             "# TYPE dist_glm5_stage_busy_seconds_total counter",
         ]
-        busy = dict(st.stage_busy)
+        busy: dict[int, float] = {}
+        for k, v in st.stage_busy.items():
+            busy[k.stage] = busy.get(k.stage, 0.0) + v
         for t in getattr(self.loop.c.pipeline, "timings", []):
-            busy[f"{t.stage}/0"] = busy.get(f"{t.stage}/0", 0.0) + t.busy_s
-        for k, v in sorted(busy.items()):
-            lines.append(f'dist_glm5_stage_busy_seconds_total{{stage="{k.split("/")[0]}"}} {v:.6f}')
+            busy[t.stage] = busy.get(t.stage, 0.0) + t.busy_s
+        for stage, v in sorted(busy.items()):
+            lines.append(f'dist_glm5_stage_busy_seconds_total{{stage="{stage}"}} {v:.6f}')
         lines += ["# TYPE dist_glm5_mtp_drafts_total counter", f"dist_glm5_mtp_drafts_total {st.drafts_proposed}",
                   "# TYPE dist_glm5_mtp_accepted_total counter", f"dist_glm5_mtp_accepted_total {st.drafts_accepted}"]
         return "\n".join(lines) + "\n"

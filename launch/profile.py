@@ -18,7 +18,9 @@ from pathlib import Path
 
 from dist_glm5.obs.profiler import exclusive_times
 
-from .engine_args import add_layout_args, build_engine, model_dir
+from dist_glm5.model.dsa_config import DSAConfig
+
+from .engine_args import add_layout_args, build_engine, engine_config, model_dir
 
 log = logging.getLogger(__name__)
 PARTS = ["experts", "attention", "indexer", "moe_outside", "mlp", "all_reduce", "transfer", "sampler", "host", "bubble"]
@@ -147,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
     from dist_glm5.sampling.params import SamplingParams
 
     d = model_dir(args)
-    engine = build_engine(args, d, dsa={"mode": "sparse"} if args.sparse else None, profile=True)
+    engine = build_engine(engine_config(
+        args, d, dsa=DSAConfig(mode="sparse") if args.sparse else None, profile=True))
     try:
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 256, (args.ctx,), generator=g).tolist() for _ in range(args.batch)]

@@ -96,13 +96,16 @@ def run(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace, d: Path, cfg) -> int:
     from dist_glm5.checkpoint.tokenizer import load_tokenizer
 
-    from .engine_args import build_engine
+    from dist_glm5.model.dsa_config import DSAConfig
+
+    from .engine_args import build_engine, engine_config
     from .engine_loop import EngineLoop
     from .http_server import App, serve_http
 
     t0 = time.perf_counter()
-    args.cache_blocks = -(-(args.ctx + args.chunk_tokens) // args.block_size)
-    engine = build_engine(args, d, max_model_len=args.ctx, dsa={"mode": "sparse"})
+    blocks = -(-(args.ctx + args.chunk_tokens) // args.block_size)  # one sequence of --ctx
+    engine = build_engine(engine_config(args, d, max_model_len=args.ctx, cache_blocks=blocks,
+                                        dsa=DSAConfig(mode="sparse")))
     loop = EngineLoop(engine)
     tc = d / "tokenizer_config.json"
     template = json.loads(tc.read_text()).get("chat_template") if tc.exists() else None

@@ -18,6 +18,7 @@ from typing import Protocol
 from dist_glm5.stages.messages import StepPlan, StepResult
 from dist_glm5.sampling.params import SamplingParams, check_vocab
 
+from .engine_config import StageId
 from .pipeline import Pipeline, StageFailure
 from .scheduler import Scheduler, SchedulerConfig, Sequence
 
@@ -30,7 +31,7 @@ class Stats:
     tokens: int = 0
     drafts_proposed: int = 0
     drafts_accepted: int = 0
-    stage_busy: dict = field(default_factory=dict)
+    stage_busy: dict[StageId, float] = field(default_factory=dict)  # seconds busy per worker
     peak_rss_mb: float = 0.0  # the last stage's (the one that reports results)
 
     @property
@@ -89,13 +90,14 @@ class Coordinator:
         self.stats.steps += 1
         self.stats.peak_rss_mb = max(self.stats.peak_rss_mb, res.peak_rss_mb)
         if res.events and res.stage_times:
-            stage, rank = (int(x) for x in next(iter(res.stage_times)).split("/"))
-            self.step_events[(res.step, stage, rank)] = res.events
+            t = res.stage_times[0]
+            self.step_events[(res.step, t.stage, t.rank)] = res.events
         for t in getattr(self.pipeline, "timings", []):
             if t.events:
                 self.step_events[(t.step, t.stage, t.rank)] = t.events
-        for k, v in res.stage_times.items():
-            self.stats.stage_busy[k] = self.stats.stage_busy.get(k, 0.0) + v
+        for t in res.stage_times:
+            k = StageId(t.stage, t.rank)
+            self.stats.stage_busy[k] = self.stats.stage_busy.get(k, 0.0) + t.seconds
         done = self.scheduler.on_result(res.step, res.outputs)
         for o in res.outputs:
             self.stats.tokens += len(o.tokens)

@@ -59,10 +59,18 @@ class SeqOutput:
 
 
 @message
+class StageTime:
+    """Seconds one worker was busy on a step (waiting for the previous stage excluded)."""
+    stage: int
+    rank: int
+    seconds: float
+
+
+@message
 class StepResult:
     step: int
     outputs: list[SeqOutput]
-    stage_times: dict = field(default_factory=dict)  # "stage/rank" -> seconds busy on this step
+    stage_times: list[StageTime] = field(default_factory=list)
     peak_rss_mb: float = 0.0  # the reporting worker's peak resident memory so far
     events: list = field(default_factory=list)  # profiler spans [name, start s, duration s, depth] when profiling
 

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import replace
 
 import zmq
 
@@ -21,7 +22,8 @@ from dist_glm5.stages.messages import Hello, Shutdown, StepPlan, StepResult, Ste
 from dist_glm5.planning.partition import partition_layers
 
 from .pipeline import StageFailure
-from .worker import StageSpec, serve
+from .engine_config import EngineConfig, StageSpec
+from .worker import serve
 
 log = logging.getLogger(__name__)
 
@@ -47,28 +49,23 @@ def _actor_class():
 
 
 class RayPipeline:
-    def __init__(self, model_dir: str, stages: int = 1, tp: int = 1, ep: int = 1, mtp: bool = False,
-                 address: str | None = None, host: str = "127.0.0.1", cache_blocks: int = 512, block_size: int = 64,
-                 dtype: str | None = None, threads: int = 1, cpus_per_worker: float = 1.0, startup_timeout: float = 300.0,
-                 dsa: dict | None = None, placement: dict | None = None, profile: bool = False):
+    def __init__(self, engine: EngineConfig, cpus_per_worker: float = 1.0, startup_timeout: float = 300.0):
         import ray
 
-        if tp < 1 or ep < 1:
-            raise ValueError(f"--tp {tp} --ep {ep}: both must be >= 1")
-        ranks = max(tp, ep)
-        if tp != ranks:
-            raise ValueError(f"--ep {ep} > --tp {tp}: expert parallelism runs over the tensor-parallel ranks of a stage; "
-                             f"use --tp {ep} --ep {ep}")
-        cfg = ModelConfig.from_hf(model_dir)
-        self.ranges = partition_layers(cfg, stages)
-        self.stages, self.ranks = stages, ranks
-        self.specs = [StageSpec(str(model_dir), s, stages, r, ranks, ep, (self.ranges[s].start, self.ranges[s].stop),
-                                mtp, cache_blocks, block_size, dtype, threads, dsa, placement, profile)
-                      for s in range(stages) for r in range(ranks)]
+        cfg = ModelConfig.from_hf(engine.model_dir)
+        self.engine = engine
+        self.ranges = partition_layers(cfg, engine.layout.stages)
+        self.stages, self.ranks = engine.layout.stages, engine.layout.ranks
+        if engine.threads is None:  # one torch thread per worker unless told otherwise
+            engine = replace(engine, threads=1)
+        self.specs = [StageSpec(engine, w, (self.ranges[w.stage].start, self.ranges[w.stage].stop))
+                      for w in engine.layout.workers]
+        host, address = engine.host, engine.address
         self.host, self.cpus, self.startup_timeout = host, cpus_per_worker, startup_timeout
         if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                     **({} if address else {"num_cpus": max(2, stages * ranks)}))
+            # "local": always a fresh cluster, never one a crashed run left behind
+            ray.init(address=address or "local", include_dashboard=False, log_to_driver=False,
+                     **({} if address else {"num_cpus": max(2, self.stages * self.ranks)}))
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -181,7 +178,7 @@ class RayPipeline:
 
         for s in self.specs:
             try:
-                self.sock.send_multipart([f"{s.stage}/{s.rank}".encode(), pack(Shutdown("close"))])
+                self.sock.send_multipart([s.id.identity, pack(Shutdown("close"))])
             except zmq.ZMQError:
                 pass
         ray.wait(self.refs, num_returns=len(self.refs), timeout=10)
@@ -194,7 +191,7 @@ class RayPipeline:
         raw = pack(plan)
         for s in self.specs:
             try:
-                self.sock.send_multipart([f"{s.stage}/{s.rank}".encode(), raw])
+                self.sock.send_multipart([s.id.identity, raw])
             except zmq.ZMQError as e:
                 raise StageFailure(s.stage, s.rank, f"cannot reach the worker: {e}") from e
 

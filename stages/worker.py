@@ -18,44 +18,22 @@ from dataclasses import dataclass, field
 import torch
 
 from dist_glm5.model.config import ModelConfig
-from dist_glm5.model.dsa import DSAConfig
 from dist_glm5.model.kv_cache import Chunk
 from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.obs.peak_rss import peak_rss_mb
-from dist_glm5.stages.messages import SeqOutput, SeqWork, StepPlan, StepResult
+from dist_glm5.stages.messages import SeqOutput, SeqWork, StageTime, StepPlan, StepResult
 from dist_glm5.planning.partition import expert_ranges
+from dist_glm5.obs import profiler
 from dist_glm5.obs.profiler import PROF
 from dist_glm5.sampling.rejection import verify_draft
 from dist_glm5.sampling.params import SamplingParams
 from dist_glm5.sampling.sampler import make_generator, process_logits, sample_one, target_probs, token_logprobs
 from dist_glm5.checkpoint.shards import ShardedCheckpoint, is_sharded
 
+from .engine_config import StageSpec
 from .tp import shard_tensor_parallel
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    model_dir: str
-    stage: int = 0
-    stages: int = 1
-    rank: int = 0
-    ranks: int = 1
-    ep: int = 1
-    layers: tuple[int, int] | None = None  # default: all layers (one stage)
-    mtp: bool = False
-    cache_blocks: int = 512
-    block_size: int = 64
-    dtype: str | None = None
-    threads: int | None = None
-    dsa: dict | None = None  # DSAConfig fields (mode "sparse" for long context)
-    placement: dict | None = None  # per MoE layer, the checkpoint expert at each position (dist_glm5/placement.py)
-    profile: bool = False  # record profiler spans and send them with every step
-
-    @property
-    def name(self) -> str:
-        return f"stage {self.stage} rank {self.rank}"
 
 
 @dataclass
@@ -75,42 +53,50 @@ def _shard_selection(model_dir: str, spec: StageSpec) -> tuple[int | None, int |
     meta = ShardedCheckpoint(model_dir).meta
     if meta["stages"] != spec.stages or meta["layers"][spec.stage] != list(spec.layers):
         return None, None
-    return spec.stage, (spec.rank if meta["ep"] == spec.ep and spec.ep > 1 else None)
+    ep = spec.engine.layout.ep
+    return spec.stage, (spec.rank if meta["ep"] == ep and ep > 1 else None)
 
 
 class StageWorker:
     def __init__(self, spec: StageSpec, comm=None):
-        if spec.threads:
-            torch.set_num_threads(spec.threads)
+        eng = spec.engine
+        if eng.threads:
+            torch.set_num_threads(eng.threads)
         self.spec, self.comm = spec, comm
-        PROF.enabled = spec.profile
-        cfg = ModelConfig.from_hf(spec.model_dir)
+        cfg = ModelConfig.from_hf(eng.model_dir)
         self.cfg = cfg
         layers = range(*spec.layers) if spec.layers else range(cfg.num_hidden_layers)
         self.first, self.last = spec.stage == 0, spec.stage == spec.stages - 1
-        if spec.mtp and self.last and cfg.num_nextn_predict_layers == 0:
-            raise ValueError(f"--mtp needs an MTP layer, but {spec.model_dir} has num_nextn_predict_layers=0")
-        experts = expert_ranges(cfg.n_routed_experts, spec.ep)[spec.rank] if spec.ep > 1 else None
+        if eng.mtp and self.last and cfg.num_nextn_predict_layers == 0:
+            raise ValueError(f"--mtp needs an MTP layer, but {eng.model_dir} has "
+                             "num_nextn_predict_layers=0")
+        ep = eng.layout.ep
+        experts = expert_ranges(cfg.n_routed_experts, ep)[spec.rank] if ep > 1 else None
         t0 = time.perf_counter()
-        self.model = load_model(spec.model_dir, dtype=getattr(torch, spec.dtype) if spec.dtype else None,
-                                shard=_shard_selection(spec.model_dir, spec), placement=spec.placement,
-                                layers=layers, embed=self.first,
-                                head=self.last, mtp=self.last and spec.mtp, experts=experts)
+        self.model = load_model(eng.model_dir, dtype=getattr(torch, eng.dtype) if eng.dtype else None,
+                                shard=_shard_selection(eng.model_dir, spec), placement=eng.placement,
+                                layers=layers, embed=self.first, head=self.last,
+                                mtp=self.last and eng.mtp, experts=experts)
         if spec.ranks > 1:
-            shard_tensor_parallel(self.model, spec.rank, spec.ranks, spec.ep, comm.all_reduce, comm.all_gather_mask)
-        self.model.set_dsa(DSAConfig(**spec.dsa) if spec.dsa else DSAConfig())
-        self.cache = self.model.new_cache(spec.cache_blocks, spec.block_size)
+            shard_tensor_parallel(self.model, spec.rank, spec.ranks, ep, comm.all_reduce,
+                                  comm.all_gather_mask)
+        self.model.set_dsa(eng.dsa)
+        PROF.enabled = eng.profile
+        if eng.profile:  # hooks from outside the model, after tensor parallelism set its reduces
+            profiler.install(self.model)
+        self.cache = self.model.new_cache(eng.cache.blocks, eng.cache.block_size)
         self.seqs: dict[int, SeqState] = {}
         self.eos = tuple(cfg.eos_token_id)
         self.busy = 0.0
-        log.info("%s: layers %d..%d loaded in %.2fs", spec.name, layers.start, layers.stop - 1, time.perf_counter() - t0)
+        log.info("%s: layers %d..%d loaded in %.2fs", spec.id, layers.start, layers.stop - 1,
+                 time.perf_counter() - t0)
 
     # ---- one step ------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, plan: StepPlan) -> StepResult | None:
         with PROF.span("step"):
             res = self._step(plan)
-        if res is not None and self.spec.profile:
+        if res is not None and self.spec.engine.profile:
             res.events = [list(e) for e in PROF.take()]
         return res
 
@@ -120,7 +106,7 @@ class StageWorker:
             self.cache.release(sid)
             self.seqs.pop(sid, None)
         if not plan.work:
-            return StepResult(plan.step, [], {f"{self.spec.stage}/{self.spec.rank}": 0.0}) \
+            return StepResult(plan.step, [], [StageTime(self.spec.stage, self.spec.rank, 0.0)]) \
                 if self.last and self.spec.rank == 0 else None
         batch = self.cache.prepare([Chunk(w.seq_id, w.start, len(w.tokens)) for w in plan.work])
         T = batch.num_tokens
@@ -143,7 +129,7 @@ class StageWorker:
         self.busy += dt
         if self.spec.rank != 0:
             return None
-        return StepResult(plan.step, outputs, {f"{self.spec.stage}/{self.spec.rank}": dt}, peak_rss_mb())
+        return StepResult(plan.step, outputs, [StageTime(self.spec.stage, self.spec.rank, dt)], peak_rss_mb())
 
     def _state(self, w: SeqWork) -> SeqState:
         st = self.seqs.get(w.seq_id)
@@ -224,7 +210,7 @@ def serve(spec: StageSpec, coord_addr: str, dist_init: str | None) -> None:
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"{spec.stage}/{spec.rank}".encode())
+    sock.setsockopt(zmq.IDENTITY, spec.id.identity)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(coord_addr)
     comm, step = None, None
@@ -242,12 +228,12 @@ def serve(spec: StageSpec, coord_addr: str, dist_init: str | None) -> None:
             res = worker.step(msg)
             if res is not None:
                 sock.send(pack(res))
-            elif (spec.rank == 0 and not worker.last) or spec.profile:
+            elif (spec.rank == 0 and not worker.last) or spec.engine.profile:
                 sock.send(pack(StepTiming(msg.step, spec.stage, worker.busy - t0, comm.send_seconds - s0 if comm else 0.0,
                                           comm.bytes_sent - b0 if comm else 0, peak_rss_mb(), spec.rank,
-                                          [list(e) for e in PROF.take()] if spec.profile else [])))
+                                          [list(e) for e in PROF.take()] if spec.engine.profile else [])))
     except Exception as e:  # reported, never swallowed: the coordinator fails the in-flight requests
-        log.exception("%s failed", spec.name)
+        log.exception("%s failed", spec.id)
         sock.send(pack(WorkerError(spec.stage, spec.rank, step, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
         raise
     finally:

@@ -8,7 +8,7 @@ from dist_glm5.model.config import ModelConfig
 from dist_glm5.stages.coordinator import Coordinator
 from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
 from dist_glm5.stages.scheduler import SchedulerConfig
-from dist_glm5.stages.worker import StageSpec
+from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, StageSpec
 from dist_glm5.checkpoint.tokenizer import load_tokenizer
 
 
@@ -19,6 +19,8 @@ def prompts(lengths, seed=0, vocab=256):
 
 def coordinator(model_dir, mtp=False, worker_cls=None, **sched) -> Coordinator:
     cfg = ModelConfig.from_hf(model_dir)
-    pipe = InProcessPipeline(StageSpec(str(model_dir), mtp=mtp, cache_blocks=128), worker_cls)
-    return Coordinator(pipe, SchedulerConfig(mtp=mtp, **{"chunk_tokens": 64, **sched}), cfg.eos_token_id,
-                       cfg.vocab_size, load_tokenizer(model_dir))
+    engine = EngineConfig(str(model_dir), cache=CacheConfig(128),
+                          scheduler=SchedulerConfig(**{"chunk_tokens": 64, **sched}), mtp=mtp)
+    pipe = InProcessPipeline(StageSpec(engine), worker_cls)
+    return Coordinator(pipe, engine.scheduler, cfg.eos_token_id, cfg.vocab_size,
+                       load_tokenizer(model_dir))

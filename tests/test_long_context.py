@@ -14,6 +14,7 @@ from dist_glm5.planning.worker_memory import worker_memory
 from dist_glm5.sampling.params import SamplingParams
 from dist_glm5.stages.coordinator import Coordinator
 from dist_glm5.stages.scheduler import SchedulerConfig
+from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout
 
 ray = pytest.importorskip("ray")
 CONTEXT = 65536
@@ -29,10 +30,10 @@ def test_64k_prompt_through_two_stages_within_planned_memory(default_model_dir):
     cluster = local_cluster(2, cpus_per_node=2)
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     try:
-        pipe = RayPipeline(str(default_model_dir), stages=2, cache_blocks=blocks,
-                           dsa={"mode": dsa.mode, "dense_threshold": dsa.dense_threshold})
-        c = Coordinator(pipe, SchedulerConfig(chunk_tokens=CHUNK, max_model_len=blocks * 64), cfg.eos_token_id,
-                        cfg.vocab_size, step_timeout=1800)
+        engine = EngineConfig(str(default_model_dir), Layout(stages=2), CacheConfig(blocks),
+                              SchedulerConfig(chunk_tokens=CHUNK, max_model_len=blocks * 64), dsa)
+        pipe = RayPipeline(engine)
+        c = Coordinator(pipe, engine.scheduler, cfg.eos_token_id, cfg.vocab_size, step_timeout=1800)
         ids = torch.randint(0, 256, (CONTEXT,), generator=torch.Generator().manual_seed(0)).tolist()
         s = c.run([ids], SamplingParams(max_tokens=4, ignore_eos=True))[0]
         assert s.finish_reason == "length" and len(s.output) == 4, s.error

@@ -17,6 +17,8 @@ from dist_glm5.model.reference_loop import generate
 from dist_glm5.sampling.params import SamplingParams
 from dist_glm5.stages.coordinator import Coordinator
 from dist_glm5.stages.scheduler import SchedulerConfig
+from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout
+from dist_glm5.model.dsa_config import DSAConfig
 from runtime_util import prompts
 
 ray = pytest.importorskip("ray")
@@ -41,16 +43,17 @@ def want(default_model):
     return [g.token_ids for g in generate(default_model, PROMPTS, GREEDY)]
 
 
-def serve(model_dir, stages, tp, ep, mtp=False, **kw):
+def serve(model_dir, stages, tp, ep, mtp=False, dsa=None, **kw):
     from dist_glm5.stages.ray_pipeline import RayPipeline
 
     cfg = ModelConfig.from_hf(model_dir)
-    pipe = RayPipeline(str(model_dir), stages=stages, tp=tp, ep=ep, mtp=mtp, cache_blocks=64, **kw)
-    return Coordinator(pipe, SchedulerConfig(chunk_tokens=48, mtp=mtp), cfg.eos_token_id, cfg.vocab_size,
+    engine = EngineConfig(str(model_dir), Layout(stages, tp, ep), CacheConfig(64),
+                          SchedulerConfig(chunk_tokens=48), dsa or DSAConfig(), mtp=mtp, **kw)
+    return Coordinator(RayPipeline(engine), engine.scheduler, cfg.eos_token_id, cfg.vocab_size,
                        step_timeout=120)
 
 
-SPARSE = {"mode": "sparse", "dense_threshold": 0, "window": 16}
+SPARSE = DSAConfig(mode="sparse", dense_threshold=0, window=16)
 
 
 def served_outputs(model_dir, stages, tp, ep, **kw) -> list[list[int]]:

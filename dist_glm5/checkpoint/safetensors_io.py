@@ -1,17 +1,12 @@
-"""Memory-mapped safetensors reading and streaming writing.
+"""Safetensors checkpoints: read with `safetensors.safe_open` (lazy, mmap), written streaming.
 
-Our own small reader (the format is an 8-byte header length, a JSON header, then raw bytes) so
-that tensors are zero-copy views of a copy-on-write mmap, and so that a truncated or malformed
-file fails with an error that names the file, the tensor and the fix. Writing streams tensor by
-tensor under a temporary name and renames when complete, so a crash never leaves a partial
-file under its final name.
+Ours beyond the library: pread copies off the mmap, errors naming file+tensor+fix, atomic streaming.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -19,14 +14,17 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
+_FIX = "re-download or re-convert it"
 
 
 class CheckpointError(ValueError):
@@ -47,58 +45,87 @@ class TensorInfo:
         return self.end - self.start
 
 
-def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and validate one file's header: every tensor's dtype, shape and byte range."""
-    path = Path(path)
-    size = path.stat().st_size
+def _unsupported(name: str, dtype: str) -> str:
+    return f"tensor {name!r} has unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})"
+
+
+def _diagnose(path: Path, size: int) -> str | None:
+    """Why the library rejected `path`, naming the tensor where one is to blame (the library's
+    messages name neither file nor tensor); None if these checks find nothing."""
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header): re-download or re-convert it")
+            return f"truncated safetensors file ({size} bytes, no header): {_FIX}"
         (hlen,) = struct.unpack("<Q", raw)
         if hlen > _MAX_HEADER or 8 + hlen > size:
-            raise CheckpointError(f"{path}: header length {hlen} exceeds the file size {size}: the file is truncated or not safetensors")
+            return (f"header length {hlen} exceeds the file size {size}: the file is truncated or "
+                    f"not safetensors; {_FIX}")
         try:
             header = json.loads(f.read(hlen))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: header is not valid JSON ({e}): the file is corrupt") from None
-    meta = header.pop("__metadata__", None) or {}
-    base = 8 + hlen
-    out: dict[str, TensorInfo] = {}
-    for name, t in header.items():
-        try:
-            dtype = DTYPES[t["dtype"]]
-        except KeyError:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {t.get('dtype')!r}") from None
-        shape = tuple(int(s) for s in t["shape"])
-        a, b = (int(x) for x in t["data_offsets"])
-        numel = 1
-        for s in shape:
-            numel *= s
-        if b - a != numel * dtype.itemsize:
-            raise CheckpointError(f"{path}: tensor {name!r} declares {b - a} bytes but shape {list(shape)} of {t['dtype']} needs {numel * dtype.itemsize}")
-        if base + b > size:
-            raise CheckpointError(f"{path}: tensor {name!r} ends at byte {base + b} but the file has {size} bytes: the file is truncated; re-download or re-convert it")
-        out[name] = TensorInfo(name, dtype, shape, path, base + a, base + b)
-    return out, meta
+            return f"header is not valid JSON ({e}): the file is corrupt; {_FIX}"
+    base, end = 8 + hlen, 0
+    try:
+        header.pop("__metadata__", None)
+        entries = sorted((tuple(int(x) for x in t["data_offsets"]), n) for n, t in header.items())
+        for (a, b), name in entries:
+            t = header[name]
+            if t["dtype"] not in DTYPES:
+                return _unsupported(name, t["dtype"])
+            shape = [int(s) for s in t["shape"]]
+            if a != end:
+                return (f"tensor {name!r} starts at data offset {a}, not {end} where the previous "
+                        f"tensor ends: the file is corrupt; {_FIX}")
+            need = math.prod(shape) * DTYPES[t["dtype"]].itemsize
+            if b - a != need:
+                return (f"tensor {name!r} declares {b - a} bytes but shape {shape} of {t['dtype']} "
+                        f"needs {need}: the file is corrupt; {_FIX}")
+            if base + b > size:
+                return (f"tensor {name!r} ends at byte {base + b} but the file has {size} bytes: "
+                        f"the file is truncated; {_FIX}")
+            end = b
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    if base + end != size:
+        return (f"{size - base - end} bytes follow the last tensor: the file is corrupt or was "
+                f"appended to; {_FIX}")
+    return None
 
 
 class SafeTensorsFile:
-    """One file, memory-mapped copy-on-write: `get` returns a zero-copy tensor view."""
+    """One file through `safe_open`: `get` returns a zero-copy view of its copy-on-write mmap."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.tensors, self.metadata = read_header(self.path)
-        self._fd = open(self.path, "rb")
         size = self.path.stat().st_size
-        self._mm = mmap.mmap(self._fd.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+        try:
+            self._st = safe_open(self.path, framework="pt")
+            kinds = [(n, sl.get_dtype(), tuple(sl.get_shape()))
+                     for n, sl in ((n, self._st.get_slice(n)) for n in self._st.offset_keys())]
+        except SafetensorError as e:
+            why = _diagnose(self.path, size) or f"not a valid safetensors file ({e}); {_FIX}"
+            raise CheckpointError(f"{self.path}: {why}") from None
+        self.metadata: dict[str, str] = self._st.metadata() or {}
+        for name, dt, _ in kinds:
+            if dt not in DTYPES:
+                raise CheckpointError(f"{self.path}: {_unsupported(name, dt)}")
+        # The library checks that the tensors tile the data section in offset order, without gaps,
+        # up to the end of the file: so their offsets follow from their sizes.
+        sizes = [DTYPES[dt].itemsize * math.prod(shape) for _, dt, shape in kinds]
+        pos = size - sum(sizes)
+        self.tensors: dict[str, TensorInfo] = {}
+        for (name, dt, shape), n in zip(kinds, sizes):
+            self.tensors[name] = TensorInfo(name, DTYPES[dt], shape, self.path, pos, pos + n)
+            pos += n
+        self._fd = open(self.path, "rb")
 
     def get(self, name: str) -> torch.Tensor:
-        info = self.tensors[name]
-        if info.nbytes == 0:
-            return torch.empty(info.shape, dtype=info.dtype)
-        t = torch.frombuffer(self._mm, dtype=torch.uint8, count=info.nbytes, offset=info.start)
-        return t.view(info.dtype).reshape(info.shape)
+        info = self.tensors[name]  # KeyError for a name the file does not hold, as a dict would
+        try:
+            return self._st.get_tensor(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"{self.path}: tensor {name!r} of {info.dtype} could not be read "
+                                  f"({e})") from None
 
     def read(self, name: str, rows: range | None = None) -> torch.Tensor:
         """A private copy read with pread, not the mapping: streaming converters use this so that
@@ -117,12 +144,14 @@ class SafeTensorsFile:
         buf = bytearray(nbytes)
         got = os.preadv(self._fd.fileno(), [buf], start)
         if got != nbytes:
-            raise CheckpointError(f"{self.path}: short read of tensor {name!r} ({got} of {nbytes} bytes)")
+            raise CheckpointError(f"{self.path}: short read of tensor {name!r} ({got} of {nbytes} "
+                                  f"bytes): the file shrank while open; {_FIX}")
         return torch.frombuffer(buf, dtype=torch.uint8).view(info.dtype).reshape(shape)
 
     def close(self) -> None:
-        # Tensors handed out keep the mmap alive through their buffer; just drop our references.
+        # Tensors handed out keep their mapping alive; just drop our references.
         self._fd.close()
+        self._st = None
 
 
 class Checkpoint:

@@ -12,7 +12,6 @@ from dist_glm5.model.kv_cache import ForwardBatch, PagedKVCache
 from dist_glm5.model.mla import MLA
 from dist_glm5.model.moe import MLP, MoE
 from dist_glm5.model.norm import RMSNorm
-from dist_glm5.obs.profiler import PROF
 
 
 class DecoderLayer(nn.Module):
@@ -30,15 +29,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, cos: torch.Tensor,
                 sin: torch.Tensor, prev_keep: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         # x: [T, H] residual stream
-        with PROF.span("attention"):
-            a, keep = self.self_attn(self.input_layernorm(x), batch, cache, cos, sin, prev_keep)
+        a, keep = self.self_attn(self.input_layernorm(x), batch, cache, cos, sin, prev_keep)
         if self.attn_reduce is not None:
-            with PROF.span("all_reduce"):
-                a = self.attn_reduce(a)
+            a = self.attn_reduce(a)
         x = x + a
-        with PROF.span("moe" if isinstance(self.mlp, MoE) else "mlp"):
-            m = self.mlp(self.post_attention_layernorm(x))
+        m = self.mlp(self.post_attention_layernorm(x))
         if self.mlp_reduce is not None:
-            with PROF.span("all_reduce"):
-                m = self.mlp_reduce(m)
+            m = self.mlp_reduce(m)
         return x + m, keep

@@ -21,7 +21,6 @@ from dist_glm5.model.dsa import DSAConfig
 from dist_glm5.model.indexer import Indexer, index_scores, select_topk_reference
 from dist_glm5.model.kv_cache import SMALL_CHUNK, ForwardBatch, PagedKVCache
 from dist_glm5.model.norm import RMSNorm
-from dist_glm5.obs.profiler import PROF
 from dist_glm5.model.rope import apply_rope
 
 def mla_expanded(q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
@@ -90,8 +89,7 @@ class MLA(nn.Module):
         kv_store[batch.write_slots] = torch.cat([latent, k_rot], dim=-1).to(kv_store.dtype)
 
         if self.indexer is not None:
-            with PROF.span("indexer"):
-                iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
+            iq, ik, iw = self.indexer(x, q_resid, cos, sin)
             idx_store = cache.index_k[self.layer]
             idx_store[batch.write_slots] = ik.to(idx_store.dtype)
         elif prev_keep is None:
@@ -105,9 +103,7 @@ class MLA(nn.Module):
         for gi, g in enumerate(batch.groups):
             rows = kv_store[g.slots].to(x.dtype)  # [B, L, c + r]
             if self.indexer is not None:
-                with PROF.span("indexer"):
-                    scores = index_scores(iq[g.tok], iw[g.tok], idx_store[g.slots], self.indexer.head_dim)
-                    keep = select_topk_reference(scores, g.q_pos, self.topk)  # [B, n, L]
+                keep = self.select_dense(iq[g.tok], iw[g.tok], idx_store[g.slots], g.q_pos)
             else:
                 keep = prev_keep[gi]
             keeps.append(keep)
@@ -117,6 +113,16 @@ class MLA(nn.Module):
                      self.kv_b_proj.weight, keep, self.scale, self.nope)
             out[g.tok[g.valid]] = o[g.valid]
         return self.o_proj(out.reshape(T, h * self.v_dim)), keeps
+
+    def select_dense(self, iq, iw, keys, q_pos):
+        # iq [B, n, hi, d], iw [B, n, hi], keys [B, L, d], q_pos [B, n] -> keep [B, n, L] bool
+        scores = index_scores(iq, iw, keys, self.indexer.head_dim)
+        return select_topk_reference(scores, q_pos, self.topk)
+
+    def select_sparse(self, iq, iw, idx_store, slots, q_pos):
+        # one sequence's rows: iq [n, hi, d], iw [n, hi], its key slots [L] -> keep [n, L] bool
+        return dsa.select(iq, iw, idx_store, slots, q_pos, self.topk, self.indexer.head_dim, self.dsa,
+                          self.row_split)
 
     def _sparse(self, x, batch, q_nope, q_rot, kv_store, iq, iw, idx_store, prev_keep, h):
         """The scaled path (dist_glm5/dsa.py): per-row bisection top-k, capped gathers, union windows."""
@@ -135,9 +141,7 @@ class MLA(nn.Module):
                 L = int(qpos.max()) + 1
                 slots = g.slots[bi, :L]
                 if self.indexer is not None:
-                    with PROF.span("indexer"):
-                        keep = dsa.select(iq[toks], iw[toks], idx_store, slots, qpos, self.topk,
-                                          self.indexer.head_dim, self.dsa, self.row_split)
+                    keep = self.select_sparse(iq[toks], iw[toks], idx_store, slots, qpos)
                 else:
                     keep = prev_keep[gi][bi]
                 gkeep.append(keep)

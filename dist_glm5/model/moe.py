@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_glm5.model.config import ModelConfig
-from dist_glm5.obs.profiler import PROF
 from dist_glm5.model.router import Router
 
 
@@ -113,13 +112,10 @@ class MoE(nn.Module):
             if cfg.n_shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with PROF.span("router"):
-            w, ids = self.gate(x)
+        w, ids = self.gate(x)
         if self.recorder is not None:
             self.recorder[0].record(self.recorder[1], ids)
-        with PROF.span("experts"):
-            y = self.experts(x, w, ids)
+        y = self.experts(x, w, ids)
         if self.shared_experts is not None:
-            with PROF.span("shared"):
-                y = y + self.shared_experts(x)
+            y = y + self.shared_experts(x)
         return y
