@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 from pathlib import Path
 
 from tqdm import tqdm
@@ -84,14 +85,22 @@ def run(args: argparse.Namespace) -> int:
     engine = build_engine(engine_config(
         args, d, dsa=DSAConfig(mode="sparse") if args.sparse else None))
     pending: dict[int, dict] = {}
+    # Fault injection for the crash-resume test: die by SIGKILL right after this many lines, a
+    # deterministic point (polling the file from outside races the job's end).
+    kill_after = int(os.environ.get("DIST_GLM5_BATCH_KILL_AFTER", "0"))
+    written = 0
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="batch", unit="prompt")
     try:
         with open(out_path, "a") as out:
             def write(obj):
+                nonlocal written
                 out.write(json.dumps(obj) + "\n")
                 out.flush()
                 os.fsync(out.fileno())
                 bar.update()
+                written += 1
+                if written == kill_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
 
             for j in todo:
                 try:

@@ -17,10 +17,11 @@ def prompts(lengths, seed=0, vocab=256):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def coordinator(model_dir, mtp=False, worker_cls=None, **sched) -> Coordinator:
+def coordinator(model_dir, mtp=False, worker_cls=None, dtype=None, **sched) -> Coordinator:
     cfg = ModelConfig.from_hf(model_dir)
     engine = EngineConfig(str(model_dir), cache=CacheConfig(128),
-                          scheduler=SchedulerConfig(**{"chunk_tokens": 64, **sched}), mtp=mtp)
+                          scheduler=SchedulerConfig(**{"chunk_tokens": 64, **sched}), mtp=mtp,
+                          dtype=dtype)
     pipe = InProcessPipeline(StageSpec(engine), worker_cls)
     return Coordinator(pipe, engine.scheduler, cfg.eos_token_id, cfg.vocab_size,
                        load_tokenizer(model_dir))

@@ -53,9 +53,13 @@ def test_dist_glm5_launch_is_the_same_command(default_model_dir):
     assert json.loads(r.stdout)["token_ids"] == json.loads(a.stdout)["token_ids"]
 
 
-def test_generate_with_layout_flags_matches_single_process(default_model_dir):
-    base = _run("generate", "--prompt-ids", "1,2,3,4,5", "--max-tokens", "6", "--json")
-    r = _run("generate", "--prompt-ids", "1,2,3,4,5", "--max-tokens", "6", "--json", "--stages", "2", "--mtp")
+def test_generate_with_layout_flags_matches_single_process(default_model_dir, tmp_path):
+    # 150 tokens: above the embedded model's index_topk (64), so DSA selection happens
+    ids = tmp_path / "prompt.txt"
+    ids.write_text(",".join(str((7 * i) % 256) for i in range(150)))
+    base = _run("generate", "--prompt-ids", f"@{ids}", "--max-tokens", "6", "--json")
+    r = _run("generate", "--prompt-ids", f"@{ids}", "--max-tokens", "6", "--json", "--stages", "2",
+             "--mtp")
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["token_ids"] == json.loads(base.stdout)["token_ids"]

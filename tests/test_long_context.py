@@ -1,6 +1,7 @@
-"""A 64K-token prompt end to end through two pipeline stages on the embedded model (sparse DSA),
-within the memory the planner predicts for each worker. Slow by nature (the DSA indexer scores every
-earlier key for every prompt token: ~2 x 10^12 flops here): a few minutes on two cores."""
+"""A long prompt end to end through two pipeline stages on the embedded model (sparse DSA): the
+tokens equal a single-process run's, and the memory that grows with context (a long run minus a
+short run, per worker) stays within what the planner says the extra context costs. Slow by nature
+(the DSA indexer scores every earlier key for every prompt token): a few minutes on two cores."""
 
 from __future__ import annotations
 
@@ -8,42 +9,77 @@ import pytest
 import torch
 
 from dist_glm5.model.config import ModelConfig
-from dist_glm5.model.dsa import DSAConfig
+from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.planning.partition import partition_layers
 from dist_glm5.planning.worker_memory import worker_memory
 from dist_glm5.sampling.params import SamplingParams
 from dist_glm5.stages.coordinator import Coordinator
+from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout, StageSpec
+from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
 from dist_glm5.stages.scheduler import SchedulerConfig
-from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout
 
 ray = pytest.importorskip("ray")
-CONTEXT = 65536
+LONG, SHORT = 32768, 8192
 CHUNK = 1024
+# A small gather cap: every capped workspace is full in both runs, so what differs is the context.
+DSA = DSAConfig(mode="sparse", dense_threshold=4096, gather_cap_bytes=16 << 20)
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 
 
-def test_64k_prompt_through_two_stages_within_planned_memory(default_model_dir):
-    from dist_glm5.stages.ray_pipeline import RayPipeline, local_cluster
+def _engine(model_dir, context: int, stages: int) -> EngineConfig:
+    blocks = context // 64 + 4
+    return EngineConfig(str(model_dir), Layout(stages), CacheConfig(blocks),
+                        SchedulerConfig(chunk_tokens=CHUNK, max_model_len=blocks * 64), DSA)
+
+
+def _prompt(n: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def _two_stages(model_dir, context: int) -> tuple[list[int], dict[int, float]]:
+    """Tokens and each stage's peak RSS (MB) for one prompt of `context` tokens, fresh workers."""
+    from dist_glm5.stages.ray_pipeline import RayPipeline
+
+    cfg = ModelConfig.from_hf(model_dir)
+    engine = _engine(model_dir, context, 2)
+    pipe = RayPipeline(engine)
+    c = Coordinator(pipe, engine.scheduler, cfg.eos_token_id, cfg.vocab_size, step_timeout=1800)
+    try:
+        s = c.run([_prompt(context)], GREEDY)[0]
+        assert s.finish_reason == "length" and len(s.output) == 4, s.error
+        return s.output, {0: max(t.peak_rss_mb for t in pipe.timings), 1: c.stats.peak_rss_mb}
+    finally:
+        c.close()
+
+
+def test_long_prompt_two_stages_equals_one_process_within_planned_memory(default_model_dir):
+    from dist_glm5.stages.ray_pipeline import local_cluster
 
     cfg = ModelConfig.from_hf(default_model_dir)
-    dsa = DSAConfig(mode="sparse", dense_threshold=4096)
-    blocks = CONTEXT // 64 + 4
     cluster = local_cluster(2, cpus_per_node=2)
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     try:
-        engine = EngineConfig(str(default_model_dir), Layout(stages=2), CacheConfig(blocks),
-                              SchedulerConfig(chunk_tokens=CHUNK, max_model_len=blocks * 64), dsa)
-        pipe = RayPipeline(engine)
-        c = Coordinator(pipe, engine.scheduler, cfg.eos_token_id, cfg.vocab_size, step_timeout=1800)
-        ids = torch.randint(0, 256, (CONTEXT,), generator=torch.Generator().manual_seed(0)).tolist()
-        s = c.run([ids], SamplingParams(max_tokens=4, ignore_eos=True))[0]
-        assert s.finish_reason == "length" and len(s.output) == 4, s.error
-        measured = {0: max(t.peak_rss_mb for t in pipe.timings), 1: c.stats.peak_rss_mb}
-        c.close()
+        tokens, long_rss = _two_stages(default_model_dir, LONG)
+        _, short_rss = _two_stages(default_model_dir, SHORT)
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+    # the same prompt in one process, one worker owning every layer
+    engine = _engine(default_model_dir, LONG, 1)
+    c = Coordinator(InProcessPipeline(StageSpec(engine)), engine.scheduler, cfg.eos_token_id,
+                    cfg.vocab_size)
+    assert c.run([_prompt(LONG)], GREEDY)[0].output == tokens
+
     ranges = partition_layers(cfg, 2)
-    for stage, rss in measured.items():
-        plan = worker_memory(cfg, ranges[stage], stage == 0, stage == 1, mtp=False, cache_tokens=blocks * 64,
-                             chunk_tokens=CHUNK, context=CONTEXT, dtype_bytes=4, dsa=dsa)
-        assert 0 < rss * 2**20 <= plan.total, (stage, rss, plan)
+
+    def planned(stage: int, context: int) -> int:
+        return worker_memory(cfg, ranges[stage], stage == 0, stage == 1, mtp=False,
+                             cache_tokens=(context // 64 + 4) * 64, chunk_tokens=CHUNK,
+                             context=context, dtype_bytes=4, dsa=DSA).total
+
+    for stage in (0, 1):
+        grew = (long_rss[stage] - short_rss[stage]) * 2**20
+        plan_grew = planned(stage, LONG) - planned(stage, SHORT)
+        # the cache pages the longer prompt touches must show, and stay within the plan
+        assert 0.25 * plan_grew < grew <= plan_grew, (stage, grew / 2**20, plan_grew / 2**20)

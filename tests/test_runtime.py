@@ -32,6 +32,19 @@ def test_mixed_lengths_arriving_at_different_times_equal_generate(default_model_
         assert c.stats.acceptance is not None  # reported (the embedded model's MTP layer is random: ~0)
 
 
+def test_bfloat16_serving_dtype_equals_generate_in_bfloat16(default_model_dir, reference):
+    """bf16 (the serving dtype) through the coordinator (chunked prefill, micro-batches, MTP) gives
+    the tokens of the single-process loop on the same bf16 weights."""
+    from dist_glm5.checkpoint.loader import load_model
+
+    ps, _ = reference
+    model = load_model(default_model_dir, dtype=torch.bfloat16)
+    want = [g.token_ids for g in generate(model, ps, GREEDY)]
+    c = coordinator(default_model_dir, mtp=True, dtype="bfloat16", chunk_tokens=48)
+    assert c.pipeline.worker.model.dtype == torch.bfloat16
+    assert [s.output for s in c.run(ps, GREEDY, arrivals=[0, 1, 3, 8, 20])] == want
+
+
 class OracleDrafts(StageWorker):
     """Proposes the true next token on even steps and a wrong one on odd steps, so both the accept
     path (draft + bonus, two positions kept) and the reject path (rollback) run."""
