@@ -1,4 +1,5 @@
-"""`dist-glm5 bench` (installed as dist_glm5.bench): benchmarks that print ratios measured side by side."""
+"""`dist-glm5 bench` (installed as dist_glm5.bench): benchmarks that print ratios measured side by
+side."""
 
 from __future__ import annotations
 
@@ -6,13 +7,40 @@ import argparse
 
 
 def register(p: argparse.ArgumentParser) -> None:
-    from . import all as all_, encoder, generate_vs_hf, longctx, pipeline, roofline, serve
+    from . import all as all_
+    from . import encoder, generate_vs_hf, longctx, pipeline, roofline, serve
 
     sub = p.add_subparsers(dest="bench_command", required=True)
-    all_.register(sub.add_parser("all", help="every benchmark in one run: all.json and a markdown table of ratios"))
-    encoder.register(sub.add_parser("encoder", help="MXFP4 encoder throughput and peak RSS vs amd-quark and torchao"))
-    longctx.register(sub.add_parser("longctx", help="decode ms/token vs context, prefill vs context, bisection vs topk"))
-    roofline.register(sub.add_parser("roofline", help="bytes per decode step per card and the bound they set (computed)"))
-    serve.register(sub.add_parser("serve", help="launch -> first token, tokens/s and TTFT with 1 and 8 clients"))
-    pipeline.register(sub.add_parser("pipeline", help="per-stage utilisation, 2 vs 1 stages, MTP tokens/step, transfer cost"))
-    generate_vs_hf.register(sub.add_parser("generate", help="generate() against transformers, prefill and decode tok/s"))
+    all_.register(
+        sub.add_parser(
+            "all", help="every benchmark in one run: all.json and a markdown table of ratios"
+        )
+    )
+    encoder.register(
+        sub.add_parser(
+            "encoder", help="MXFP4 encoder throughput and peak RSS vs amd-quark and torchao"
+        )
+    )
+    longctx.register(
+        sub.add_parser(
+            "longctx", help="decode ms/token vs context, prefill vs context, bisection vs topk"
+        )
+    )
+    roofline.register(
+        sub.add_parser(
+            "roofline", help="bytes per decode step per card and the bound they set (computed)"
+        )
+    )
+    serve.register(
+        sub.add_parser(
+            "serve", help="launch -> first token, tokens/s and TTFT with 1 and 8 clients"
+        )
+    )
+    pipeline.register(
+        sub.add_parser(
+            "pipeline", help="per-stage utilisation, 2 vs 1 stages, MTP tokens/step, transfer cost"
+        )
+    )
+    generate_vs_hf.register(
+        sub.add_parser("generate", help="generate() against transformers, prefill and decode tok/s")
+    )

@@ -1,6 +1,7 @@
-"""`dist-glm5 bench all`: every benchmark the issues asked for, in one run, into one JSON and a markdown
-table of the ratios each measured side by side (generate vs transformers, encoder vs amd-quark and
-torchao, decode time against context, pipeline utilisation, MTP tokens per step, serving, roofline)."""
+"""`dist-glm5 bench all`: every benchmark the issues asked for, in one run, into one JSON and a
+markdown table of the ratios each measured side by side (generate vs transformers, encoder vs
+amd-quark and torchao, decode time against context, pipeline utilisation, MTP tokens per step,
+serving, roofline)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,15 @@ log = logging.getLogger(__name__)
 
 
 def register(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--output", default="bench-results", help="directory for all.json and summary.md")
-    p.add_argument("--skip", nargs="*", default=[], help="benchmarks to leave out (generate encoder longctx pipeline serve)")
+    p.add_argument(
+        "--output", default="bench-results", help="directory for all.json and summary.md"
+    )
+    p.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        help="benchmarks to leave out (generate encoder longctx pipeline serve)",
+    )
     p.set_defaults(func=run)
 
 
@@ -33,8 +41,14 @@ def _run(mod, argv: list[str]) -> dict | list:
 def run(args: argparse.Namespace) -> int:
     from . import encoder, generate_vs_hf, longctx, pipeline, roofline, serve
 
-    plan = [("generate", generate_vs_hf, []), ("encoder", encoder, []), ("longctx", longctx, []),
-            ("pipeline", pipeline, []), ("serve", serve, []), ("roofline", roofline, [])]
+    plan = [
+        ("generate", generate_vs_hf, []),
+        ("encoder", encoder, []),
+        ("longctx", longctx, []),
+        ("pipeline", pipeline, []),
+        ("serve", serve, []),
+        ("roofline", roofline, []),
+    ]
     res, md = {}, ["| benchmark | measurement | value |", "|---|---|---|"]
     for name, mod, argv in plan:
         if name in args.skip:
@@ -44,33 +58,53 @@ def run(args: argparse.Namespace) -> int:
         res[name] = _run(mod, argv)
         res[name + "_seconds"] = time.perf_counter() - t
     for r in res.get("generate", []):
-        md.append(f"| generate vs transformers | batch {r['batch']}: prefill / decode tok/s ratio | "
-                  f"{r['prefill_ratio']:.2f} / {r['decode_ratio']:.2f} |")
+        md.append(
+            f"| generate vs transformers | batch {r['batch']}: prefill / decode tok/s ratio | "
+            f"{r['prefill_ratio']:.2f} / {r['decode_ratio']:.2f} |"
+        )
     thr = [r for r in (res.get("encoder") or {}).get("throughput", [])]
     for th in sorted({r["threads"] for r in thr}):
         rows = {r["encoder"]: r for r in thr if r["threads"] == th}
         if "amd-quark" in rows:
             best = max(v["gb_s"] for k, v in rows.items() if k.startswith("ours-quark"))
-            md.append(f"| MXFP4 encoder | {th} thread(s): ours (quark rule) / amd-quark | {best / rows['amd-quark']['gb_s']:.1f}x |")
+            md.append(
+                f"| MXFP4 encoder | {th} thread(s): ours (quark rule) / amd-quark | "
+                f"{best / rows['amd-quark']['gb_s']:.1f}x |"
+            )
     for r in (res.get("encoder") or {}).get("convert_rss", []):
-        md.append(f"| convert glm53 | peak RSS at {r['input_gb']:.1f} GB input | {r['peak_rss_mb']:.0f} MB |")
+        md.append(
+            f"| convert glm53 | peak RSS at {r['input_gb']:.1f} GB input | {r['peak_rss_mb']:.0f} "
+            "MB |"
+        )
     dec = (res.get("longctx") or {}).get("decode", [])
     if dec and dec[0]["ours"]:
         for r in dec:
             if r["ours"]:
-                md.append(f"| decode vs context | {r['context']} keys, ms/token (x of {dec[0]['context']}) | "
-                          f"{r['ours']['ms_per_token']:.2f} ({r['ours']['ms_per_token'] / dec[0]['ours']['ms_per_token']:.2f}x) |")
+                md.append(
+                    f"| decode vs context | {r['context']} keys, ms/token (x of "
+                    f"{dec[0]['context']}) | {r['ours']['ms_per_token']:.2f} "
+                    f"({r['ours']['ms_per_token'] / dec[0]['ours']['ms_per_token']:.2f}x) |"
+                )
     for r in res.get("pipeline", []):
         util = ", ".join(f"{k} {v:.0%}" for k, v in r["utilisation"].items())
-        md.append(f"| pipeline | {r['stages']} stage(s), {r['microbatches']} micro-batch(es){', MTP' if r['mtp'] else ''} | "
-                  f"{r['tokens_per_s']:.0f} tok/s; {util}; {r['decode_tokens_per_step']:.2f} tok/step |")
+        md.append(
+            f"| pipeline | {r['stages']} stage(s), {r['microbatches']} "
+            f"micro-batch(es){', MTP' if r['mtp'] else ''} | {r['tokens_per_s']:.0f} tok/s; "
+            f"{util}; {r['decode_tokens_per_step']:.2f} tok/step |"
+        )
     if "serve" in res:
         s = res["serve"]
         md.append(f"| serve | launch -> first token | {s['startup_s']:.2f} s |")
         for r in s["rows"]:
-            md.append(f"| serve | {r['clients']} client(s): tok/s, TTFT median | {r['tokens_per_s']:.0f}, {r['ttft_median_ms']:.0f} ms |")
+            md.append(
+                f"| serve | {r['clients']} client(s): tok/s, TTFT median | "
+                f"{r['tokens_per_s']:.0f}, {r['ttft_median_ms']:.0f} ms |"
+            )
     for r in res.get("roofline", []):
-        md.append(f"| roofline (computed, Gaudi 2) | stage {r['stage']} bytes per decode step | {r['total'] / 1e9:.2f} GB |")
+        md.append(
+            f"| roofline (computed, Gaudi 2) | stage {r['stage']} bytes per decode step | "
+            f"{r['total'] / 1e9:.2f} GB |"
+        )
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "all.json").write_text(json.dumps(res, indent=1))

@@ -32,8 +32,8 @@ def register(p: argparse.ArgumentParser) -> None:
 
 def hf_copy(model_dir: Path, dst: Path) -> Path:
     """A transformers-loadable copy: no MTP layer (transformers does not run it)."""
-    from dist_glm5.model.config import ModelConfig
     from dist_glm5.checkpoint.safetensors_io import Checkpoint, save_streaming
+    from dist_glm5.model.config import ModelConfig
 
     cfg = ModelConfig.from_hf(model_dir)
     d = cfg.to_hf()
@@ -41,8 +41,11 @@ def hf_copy(model_dir: Path, dst: Path) -> Path:
     (dst / "config.json").write_text(json.dumps(d))
     ck = Checkpoint(model_dir)
     mtp = f"model.layers.{cfg.num_hidden_layers}."
-    save_streaming(dst / "model.safetensors", {n: ck.get(n) for n in ck.names() if not n.startswith(mtp)},
-                   metadata={"format": "pt"})
+    save_streaming(
+        dst / "model.safetensors",
+        {n: ck.get(n) for n in ck.names() if not n.startswith(mtp)},
+        metadata={"format": "pt"},
+    )
     return dst
 
 
@@ -59,15 +62,17 @@ def run(args: argparse.Namespace) -> int:
     from transformers import GlmMoeDsaForCausalLM
 
     from dist_glm5.checkpoint.default_model import ensure_default_model
-    from dist_glm5.model.reference_loop import generate
     from dist_glm5.checkpoint.loader import load_model
+    from dist_glm5.model.reference_loop import generate
     from dist_glm5.sampling.params import SamplingParams
 
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else ensure_default_model()
     ours = load_model(model_dir)
     with tempfile.TemporaryDirectory() as tmp:
-        hf = GlmMoeDsaForCausalLM.from_pretrained(hf_copy(model_dir, Path(tmp)), dtype=ours.dtype).eval()
+        hf = GlmMoeDsaForCausalLM.from_pretrained(
+            hf_copy(model_dir, Path(tmp)), dtype=ours.dtype
+        ).eval()
     V, P, N = ours.cfg.vocab_size, args.prompt_len, args.new_tokens
     rows = []
     for B in args.batch:
@@ -76,25 +81,48 @@ def run(args: argparse.Namespace) -> int:
         prompts = ids.tolist()
         one = SamplingParams(max_tokens=1, ignore_eos=True)
         full = SamplingParams(max_tokens=N, ignore_eos=True)
+        # best() runs each lambda within this iteration, so closing over the loop's variables is
+        # safe here (B023).
         with torch.no_grad():
-            o_pre = best(lambda: generate(ours, prompts, one), args.repeats)
-            o_all = best(lambda: generate(ours, prompts, full), args.repeats)
-            h_pre = best(lambda: hf(ids, use_cache=True), args.repeats)
-            h_all = best(lambda: hf.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False), args.repeats)
+            o_pre = best(lambda: generate(ours, prompts, one), args.repeats)  # noqa: B023
+            o_all = best(lambda: generate(ours, prompts, full), args.repeats)  # noqa: B023
+            h_pre = best(lambda: hf(ids, use_cache=True), args.repeats)  # noqa: B023
+            h_all = best(
+                lambda: hf.generate(
+                    ids,  # noqa: B023
+                    max_new_tokens=N,
+                    min_new_tokens=N,
+                    do_sample=False,
+                ),
+                args.repeats,
+            )
         r = {
-            "batch": B, "prompt_len": P, "new_tokens": N, "threads": args.threads,
-            "ours_prefill_tok_s": B * P / o_pre, "hf_prefill_tok_s": B * P / h_pre,
+            "batch": B,
+            "prompt_len": P,
+            "new_tokens": N,
+            "threads": args.threads,
+            "ours_prefill_tok_s": B * P / o_pre,
+            "hf_prefill_tok_s": B * P / h_pre,
             "ours_decode_tok_s": B * (N - 1) / max(o_all - o_pre, 1e-9),
             "hf_decode_tok_s": B * (N - 1) / max(h_all - h_pre, 1e-9),
         }
         r["prefill_ratio"] = r["ours_prefill_tok_s"] / r["hf_prefill_tok_s"]
         r["decode_ratio"] = r["ours_decode_tok_s"] / r["hf_decode_tok_s"]
         rows.append(r)
-    print(f"generate() vs transformers, {args.threads} thread(s), prompt {P}, {N} new tokens (ratio = ours / transformers)")
-    print(f"{'batch':>5} {'prefill ours':>13} {'prefill hf':>11} {'ratio':>6} {'decode ours':>12} {'decode hf':>10} {'ratio':>6}")
+    print(
+        f"generate() vs transformers, {args.threads} thread(s), prompt {P}, {N} new tokens (ratio "
+        "= ours / transformers)"
+    )
+    print(
+        f"{'batch':>5} {'prefill ours':>13} {'prefill hf':>11} {'ratio':>6} {'decode ours':>12} "
+        f"{'decode hf':>10} {'ratio':>6}"
+    )
     for r in rows:
-        print(f"{r['batch']:>5} {r['ours_prefill_tok_s']:>13.0f} {r['hf_prefill_tok_s']:>11.0f} {r['prefill_ratio']:>6.2f} "
-              f"{r['ours_decode_tok_s']:>12.1f} {r['hf_decode_tok_s']:>10.1f} {r['decode_ratio']:>6.2f}")
+        print(
+            f"{r['batch']:>5} {r['ours_prefill_tok_s']:>13.0f} {r['hf_prefill_tok_s']:>11.0f} "
+            f"{r['prefill_ratio']:>6.2f} {r['ours_decode_tok_s']:>12.1f} "
+            f"{r['hf_decode_tok_s']:>10.1f} {r['decode_ratio']:>6.2f}"
+        )
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=1))
     return 0

@@ -92,7 +92,9 @@ print(json.dumps({"seconds": time.perf_counter() - t,
 
 def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-contexts", type=int, nargs="+", default=[4096, 16384, 65536])
-    p.add_argument("--hf-max-context", type=int, default=8192, help="transformers is measured up to here")
+    p.add_argument(
+        "--hf-max-context", type=int, default=8192, help="transformers is measured up to here"
+    )
     p.add_argument("--prefill-contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--output", help="write the results as JSON here")
@@ -100,9 +102,15 @@ def register(p: argparse.ArgumentParser) -> None:
 
 
 def sub(code: str, *args) -> dict | None:
-    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True
+    )
     if r.returncode:
-        log.warning("measurement %s failed: %s", args, r.stderr.strip().splitlines()[-1:] if r.stderr else r.returncode)
+        log.warning(
+            "measurement %s failed: %s",
+            args,
+            r.stderr.strip().splitlines()[-1:] if r.stderr else r.returncode,
+        )
         return None
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -124,8 +132,12 @@ def run(args: argparse.Namespace) -> int:
         hf = sub(_HF_DECODE, ctx, args.steps) if ctx <= args.hf_max_context else None
         base = base or (ours and ours["ms_per_token"])
         res["decode"].append({"context": ctx, "ours": ours, "transformers": hf})
-        line = f"  {ctx:>7}: ours {ours['ms_per_token']:7.2f} ms ({ours['ms_per_token'] / base:.2f}x of the first), " \
-               f"RSS {ours['peak_rss_mb']:.0f} MB" if ours else f"  {ctx:>7}: ours failed"
+        line = (
+            f"  {ctx:>7}: ours {ours['ms_per_token']:7.2f} ms ({ours['ms_per_token'] / base:.2f}x "
+            f"of the first), RSS {ours['peak_rss_mb']:.0f} MB"
+            if ours
+            else f"  {ctx:>7}: ours failed"
+        )
         if hf:
             line += f"; transformers {hf['ms_per_token']:7.2f} ms, RSS {hf['peak_rss_mb']:.0f} MB"
         print(line)
@@ -134,8 +146,10 @@ def run(args: argparse.Namespace) -> int:
         sp = sub(_PREFILL, ctx, "sparse", 0)
         ref = sub(_PREFILL, ctx, "reference", 0)
         res["prefill"].append({"context": ctx, "sparse": sp, "reference": ref})
-        print(f"  {ctx:>7}: sparse {sp['seconds']:6.2f} s ({sp['peak_rss_mb']:.0f} MB), reference "
-              + (f"{ref['seconds']:6.2f} s ({ref['peak_rss_mb']:.0f} MB)" if ref else "failed"))
+        print(
+            f"  {ctx:>7}: sparse {sp['seconds']:6.2f} s ({sp['peak_rss_mb']:.0f} MB), reference "
+            + (f"{ref['seconds']:6.2f} s ({ref['peak_rss_mb']:.0f} MB)" if ref else "failed")
+        )
     print("k-th largest score per row: bisection vs torch.topk (same rows, 1 thread)")
     torch.set_num_threads(1)
     for rows, L, k in ((1, 65536, 2048), (64, 65536, 2048), (256, 16384, 2048)):
@@ -147,9 +161,13 @@ def run(args: argparse.Namespace) -> int:
         b = s.topk(k).values[:, -1]
         tt = time.perf_counter() - t
         assert torch.equal(a, b)
-        res["topk"].append({"rows": rows, "L": L, "k": k, "bisect_ms": tb * 1e3, "topk_ms": tt * 1e3})
-        print(f"  {rows:>4} x {L:>6}, k={k}: bisection {tb * 1e3:8.2f} ms, torch.topk {tt * 1e3:8.2f} ms "
-              f"(ratio {tb / tt:.1f})")
+        res["topk"].append(
+            {"rows": rows, "L": L, "k": k, "bisect_ms": tb * 1e3, "topk_ms": tt * 1e3}
+        )
+        print(
+            f"  {rows:>4} x {L:>6}, k={k}: bisection {tb * 1e3:8.2f} ms, torch.topk "
+            f"{tt * 1e3:8.2f} ms (ratio {tb / tt:.1f})"
+        )
     if args.output:
         Path(args.output).write_text(json.dumps(res, indent=1))
     return 0

@@ -23,8 +23,14 @@ def quark_encoder():
         fq = FakeQuantizeBase.get_fake_quantize(spec, device=w.device)
         fq.disable_fake_quant()  # only the observer is needed to set the scale
         fq(w)
-        rq = get_real_quantizer(qspec=spec, quantizer=fq, reorder=True, real_quantized=False,
-                                float_dtype=w.dtype, device=w.device)
+        rq = get_real_quantizer(
+            qspec=spec,
+            quantizer=fq,
+            reorder=True,
+            real_quantized=False,
+            float_dtype=w.dtype,
+            device=w.device,
+        )
         packed = rq.to_real_quantize_params(w)
         rq.maybe_convert_and_transpose_scale()
         return packed, rq.scale
@@ -39,7 +45,9 @@ def torchao_encoder():
     def run(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if w.dtype == torch.float16:  # torchao takes bf16/fp32 only; fp16 -> fp32 is exact
             w = w.float()
-        scale, data = mx.to_mx(w.contiguous(), torch.float4_e2m1fn_x2, 32, ScaleCalculationMode.FLOOR)
+        scale, data = mx.to_mx(
+            w.contiguous(), torch.float4_e2m1fn_x2, 32, ScaleCalculationMode.FLOOR
+        )
         return data.view(torch.uint8), scale.view(torch.uint8)
 
     return run

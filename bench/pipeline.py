@@ -32,13 +32,18 @@ def measure(d: str, stages: int, microbatches: int, mtp: bool, prompts, new_toke
     from dist_glm5.model.config import ModelConfig
     from dist_glm5.sampling.params import SamplingParams
     from dist_glm5.stages.coordinator import Coordinator
-    from dist_glm5.stages.ray_pipeline import RayPipeline
     from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout
+    from dist_glm5.stages.ray_pipeline import RayPipeline
     from dist_glm5.stages.scheduler import SchedulerConfig
 
     cfg = ModelConfig.from_hf(d)
-    engine = EngineConfig(d, Layout(stages), CacheConfig(64),
-                          SchedulerConfig(microbatches=microbatches, chunk_tokens=512), mtp=mtp)
+    engine = EngineConfig(
+        d,
+        Layout(stages),
+        CacheConfig(64),
+        SchedulerConfig(microbatches=microbatches, chunk_tokens=512),
+        mtp=mtp,
+    )
     pipe = RayPipeline(engine)
     c = Coordinator(pipe, engine.scheduler, cfg.eos_token_id, cfg.vocab_size)
     try:
@@ -59,13 +64,20 @@ def measure(d: str, stages: int, microbatches: int, mtp: bool, prompts, new_toke
     sent = sum(t.sent_bytes for t in pipe.timings)
     hidden_rows = sent / (cfg.hidden_size * 4) if sent else 0
     return {
-        "stages": stages, "microbatches": microbatches, "mtp": mtp, "wall_s": wall, "tokens": tokens,
-        "tokens_per_s": tokens / wall, "steps": c.stats.steps - steps0,
+        "stages": stages,
+        "microbatches": microbatches,
+        "mtp": mtp,
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "steps": c.stats.steps - steps0,
         "utilisation": {k: v / wall for k, v in sorted(busy.items())},
         "decode_tokens_per_step": sum(len(s.output) - 1 for s in seqs) / max(decode_steps, 1),
         "acceptance": c.stats.acceptance,
         "transfer_bytes_per_token": sent / hidden_rows if hidden_rows else None,
-        "transfer_us_per_token": 1e6 * sum(t.send_s for t in pipe.timings) / hidden_rows if hidden_rows else None,
+        "transfer_us_per_token": 1e6 * sum(t.send_s for t in pipe.timings) / hidden_rows
+        if hidden_rows
+        else None,
     }
 
 
@@ -78,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
 
     d = str(Path(args.model) if args.model else ensure_default_model())
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
+    prompts = [
+        torch.randint(0, 256, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)
+    ]
     cluster = local_cluster(2, cpus_per_node=4)
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     rows = []
@@ -90,22 +104,37 @@ def run(args: argparse.Namespace) -> int:
     finally:
         ray.shutdown()
         cluster.shutdown()
-    print(f"pipeline on a local 2-node Ray cluster (this machine: {torch.get_num_threads()} threads), "
-          f"batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens")
-    print(f"{'stages':>6} {'mb':>3} {'mtp':>4} {'tok/s':>7} {'utilisation (busy/wall) per stage':>40} {'tok/step':>9}")
+    print(
+        f"pipeline on a local 2-node Ray cluster (this machine: {torch.get_num_threads()} "
+        f"threads), batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens"
+    )
+    print(
+        f"{'stages':>6} {'mb':>3} {'mtp':>4} {'tok/s':>7} "
+        f"{'utilisation (busy/wall) per stage':>40} {'tok/step':>9}"
+    )
     for r in rows:
         util = ", ".join(f"{k} {v:.0%}" for k, v in r["utilisation"].items())
-        print(f"{r['stages']:>6} {r['microbatches']:>3} {str(r['mtp']):>4} {r['tokens_per_s']:>7.1f} {util:>40} "
-              f"{r['decode_tokens_per_step']:>9.2f}")
+        print(
+            f"{r['stages']:>6} {r['microbatches']:>3} {str(r['mtp']):>4} {r['tokens_per_s']:>7.1f} "
+            f"{util:>40} {r['decode_tokens_per_step']:>9.2f}"
+        )
     one = {r["microbatches"]: r for r in rows if r["stages"] == 1 and not r["mtp"]}
     two = {r["microbatches"]: r for r in rows if r["stages"] == 2 and not r["mtp"]}
     for mb in sorted(set(one) & set(two)):
-        print(f"two-stage / one-stage throughput, {mb} micro-batch(es): {two[mb]['tokens_per_s'] / one[mb]['tokens_per_s']:.2f}")
+        print(
+            f"two-stage / one-stage throughput, {mb} micro-batch(es): "
+            f"{two[mb]['tokens_per_s'] / one[mb]['tokens_per_s']:.2f}"
+        )
     mtp = next(r for r in rows if r["mtp"])
-    print(f"MTP (2 stages): {mtp['decode_tokens_per_step']:.2f} decode tokens/step, acceptance {mtp['acceptance']}")
+    print(
+        f"MTP (2 stages): {mtp['decode_tokens_per_step']:.2f} decode tokens/step, acceptance "
+        f"{mtp['acceptance']}"
+    )
     t = next(r for r in rows if r["transfer_us_per_token"])
-    print(f"stage-to-stage transfer: {t['transfer_bytes_per_token']:.0f} B and {t['transfer_us_per_token']:.1f} us per token "
-          f"(gloo send, loopback)")
+    print(
+        f"stage-to-stage transfer: {t['transfer_bytes_per_token']:.0f} B and "
+        f"{t['transfer_us_per_token']:.1f} us per token (gloo send, loopback)"
+    )
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=1))
     return 0

@@ -1,5 +1,6 @@
-"""Roofline of a decode step: the bytes each card must read from HBM per step, and the lower bound on
-step time that bandwidth sets. COMPUTED from the config and a hardware description, never measured.
+"""Roofline of a decode step: the bytes each card must read from HBM per step, and the lower bound
+on step time that bandwidth sets. COMPUTED from the config and a hardware description, never
+measured.
 
 Per MoE layer a card reads its share of the attention and shared-expert weights, and the routed
 experts that the step's tokens activate on its EP rank (expected distinct experts of B tokens x k
@@ -43,32 +44,65 @@ class StepBytes:
         return sum(v for k, v in asdict(self).items() if k != "stage")
 
 
-def decode_bytes(cfg: ModelConfig, nodes: int, context: int, batch: int, tokens_per_seq: int = 1,
-                 hw: HBM = HBM(), expert_bytes: float = 0.53125, weight_bytes: int = 2, idx_bytes: int = 132,
-                 mla_bytes: int = 1152) -> list[StepBytes]:
+def decode_bytes(
+    cfg: ModelConfig,
+    nodes: int,
+    context: int,
+    batch: int,
+    tokens_per_seq: int = 1,
+    hw: HBM = HBM(),
+    expert_bytes: float = 0.53125,
+    weight_bytes: int = 2,
+    idx_bytes: int = 132,
+    mla_bytes: int = 1152,
+) -> list[StepBytes]:
     R = hw.cards_per_node
-    H, I, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    H, I, E, k = (
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.n_routed_experts,
+        cfg.num_experts_per_tok,
+    )
     h = cfg.num_attention_heads
-    attn = (H * cfg.q_lora_rank + H * cfg.kv_cache_dim + cfg.index_n_heads * cfg.index_head_dim * cfg.q_lora_rank
-            + H * cfg.index_head_dim + H * cfg.index_n_heads) \
-        + (cfg.q_lora_rank * h * cfg.qk_head_dim + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-           + h * cfg.v_head_dim * H) / R
+    attn = (
+        H * cfg.q_lora_rank
+        + H * cfg.kv_cache_dim
+        + cfg.index_n_heads * cfg.index_head_dim * cfg.q_lora_rank
+        + H * cfg.index_head_dim
+        + H * cfg.index_n_heads
+    ) + (
+        cfg.q_lora_rank * h * cfg.qk_head_dim
+        + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        + h * cfg.v_head_dim * H
+    ) / R
     tokens = batch * tokens_per_seq
     active = E * (1 - (1 - k / E) ** tokens)  # expected distinct experts hit by the step's tokens
     out = []
     for s, layers in enumerate(partition_layers(cfg, nodes)):
-        own = list(layers) + ([cfg.num_hidden_layers] if s == nodes - 1 and cfg.num_nextn_predict_layers else [])
+        own = list(layers) + (
+            [cfg.num_hidden_layers] if s == nodes - 1 and cfg.num_nextn_predict_layers else []
+        )
         moe = sum(cfg.is_moe_layer(i) for i in own)
         dense = len(own) - moe
         full = sum(cfg.has_indexer(i) for i in own)
-        out.append(StepBytes(
-            s, attention_weights=len(own) * attn * weight_bytes,
-            expert_weights=moe * active / R * 3 * H * I * expert_bytes,
-            dense_and_shared_weights=(dense * 3 * H * cfg.intermediate_size + moe * 3 * H * I * cfg.n_shared_experts)
-            / R * weight_bytes,
-            indexer_keys=full * -(-batch // R) * context * idx_bytes,  # query rows are split over the ranks
-            mla_rows=len(own) * tokens * min(cfg.index_topk, context) * mla_bytes,
-            head=(cfg.vocab_size * H / R * weight_bytes) if s == nodes - 1 else 0.0))
+        out.append(
+            StepBytes(
+                s,
+                attention_weights=len(own) * attn * weight_bytes,
+                expert_weights=moe * active / R * 3 * H * I * expert_bytes,
+                dense_and_shared_weights=(
+                    dense * 3 * H * cfg.intermediate_size + moe * 3 * H * I * cfg.n_shared_experts
+                )
+                / R
+                * weight_bytes,
+                indexer_keys=full
+                * -(-batch // R)
+                * context
+                * idx_bytes,  # query rows are split over the ranks
+                mla_rows=len(own) * tokens * min(cfg.index_topk, context) * mla_bytes,
+                head=(cfg.vocab_size * H / R * weight_bytes) if s == nodes - 1 else 0.0,
+            )
+        )
     return out
 
 
@@ -77,7 +111,12 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--ctx", type=int, default=131072)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--tokens-per-seq", type=float, default=1.95, help="MTP: tokens verified per sequence per step")
+    p.add_argument(
+        "--tokens-per-seq",
+        type=float,
+        default=1.95,
+        help="MTP: tokens verified per sequence per step",
+    )
     p.add_argument("--output")
     p.set_defaults(func=run)
 
@@ -86,11 +125,19 @@ def run(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_hf(args.model) if args.model else ModelConfig(num_nextn_predict_layers=1)
     rows = decode_bytes(cfg, args.nodes, args.ctx, args.batch, round(args.tokens_per_seq))
     hw = HBM()
-    print(f"decode-step roofline (COMPUTED, not measured): {args.nodes} node(s) x {hw.cards_per_node} {hw.name} cards, "
-          f"{hw.bandwidth / 1e12:.2f} TB/s each, context {args.ctx}, batch {args.batch}")
+    print(
+        f"decode-step roofline (COMPUTED, not measured): {args.nodes} node(s) x "
+        f"{hw.cards_per_node} {hw.name} cards, {hw.bandwidth / 1e12:.2f} TB/s each, context "
+        f"{args.ctx}, batch {args.batch}"
+    )
     for r in rows:
         parts = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in asdict(r).items() if k != "stage")
-        print(f"  stage {r.stage}: {r.total / GB:.2f} GB per card -> >= {1e3 * r.total / hw.bandwidth:.2f} ms ({parts})")
+        print(
+            f"  stage {r.stage}: {r.total / GB:.2f} GB per card -> >= "
+            f"{1e3 * r.total / hw.bandwidth:.2f} ms ({parts})"
+        )
     if args.output:
-        Path(args.output).write_text(json.dumps([asdict(r) | {"total": r.total} for r in rows], indent=1))
+        Path(args.output).write_text(
+            json.dumps([asdict(r) | {"total": r.total} for r in rows], indent=1)
+        )
     return 0

@@ -12,7 +12,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-LAUNCH = [sys.executable, "-c", "import sys; from dist_glm5.launch.cli import launch_main; sys.exit(launch_main())"]
+LAUNCH = [
+    sys.executable,
+    "-c",
+    "import sys; from dist_glm5.launch.cli import launch_main; sys.exit(launch_main())",
+]
 
 
 def register(p: argparse.ArgumentParser) -> None:
@@ -26,8 +30,14 @@ def register(p: argparse.ArgumentParser) -> None:
 def one(client, model: str, max_tokens: int, i: int) -> tuple[float, int, float]:
     t0 = time.perf_counter()
     ttft, n = None, 0
-    for ch in client.completions.create(model=model, prompt=f"request {i}: tell me something", max_tokens=max_tokens,
-                                        temperature=0, stream=True, extra_body={"ignore_eos": True}):
+    for ch in client.completions.create(
+        model=model,
+        prompt=f"request {i}: tell me something",
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    ):
         if ch.choices and ch.choices[0].text:
             ttft = ttft or time.perf_counter() - t0
         n += 1
@@ -38,8 +48,12 @@ def run(args: argparse.Namespace) -> int:
     import openai
 
     t0 = time.perf_counter()
-    p = subprocess.Popen([*LAUNCH, "single-node", "--ctx", "8k", "--port", "0"], stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True)
+    p = subprocess.Popen(
+        [*LAUNCH, "single-node", "--ctx", "8k", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         ready = json.loads(p.stdout.readline())
         client = openai.OpenAI(base_url=ready["url"], api_key="none", max_retries=0)
@@ -51,18 +65,33 @@ def run(args: argparse.Namespace) -> int:
         for n in args.clients:
             t = time.perf_counter()
             with ThreadPoolExecutor(n) as ex:
-                res = list(ex.map(lambda i: one(client, model, args.max_tokens, i), range(n * args.requests_per_client)))
+                res = list(
+                    ex.map(
+                        lambda i: one(client, model, args.max_tokens, i),
+                        range(n * args.requests_per_client),
+                    )
+                )
             wall = time.perf_counter() - t
-            rows.append({"clients": n, "tokens_per_s": sum(r[1] for r in res) / wall,
-                         "ttft_median_ms": 1e3 * statistics.median(r[0] for r in res),
-                         "ttft_max_ms": 1e3 * max(r[0] for r in res)})
+            rows.append(
+                {
+                    "clients": n,
+                    "tokens_per_s": sum(r[1] for r in res) / wall,
+                    "ttft_median_ms": 1e3 * statistics.median(r[0] for r in res),
+                    "ttft_max_ms": 1e3 * max(r[0] for r in res),
+                }
+            )
     finally:
         p.terminate()
         p.wait(timeout=30)
-    print(f"launch single-node -> first served token: {startup:.2f} s (embedded model, model already cached)")
+    print(
+        f"launch single-node -> first served token: {startup:.2f} s (embedded model, model already "
+        "cached)"
+    )
     for r in rows:
-        print(f"{r['clients']:>2} concurrent client(s): {r['tokens_per_s']:7.1f} tokens/s, time to first token "
-              f"median {r['ttft_median_ms']:.0f} ms, max {r['ttft_max_ms']:.0f} ms")
+        print(
+            f"{r['clients']:>2} concurrent client(s): {r['tokens_per_s']:7.1f} tokens/s, time to "
+            f"first token median {r['ttft_median_ms']:.0f} ms, max {r['ttft_max_ms']:.0f} ms"
+        )
     if args.output:
         Path(args.output).write_text(json.dumps({"startup_s": startup, "rows": rows}, indent=1))
     return 0

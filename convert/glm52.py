@@ -1,4 +1,5 @@
-"""`convert glm52`: AMD's Quark MXFP4 checkpoint of GLM-5.2 -> our fused serving layout, byte for byte.
+"""`convert glm52`: AMD's Quark MXFP4 checkpoint of GLM-5.2 -> our fused serving layout, byte for
+byte.
 
 Quark exports each quantised linear as `X.weight` uint8 [out, in/2] (E2M1 pairs, low nibble first)
 and `X.weight_scale` uint8 [out, in/32] (E8M0). Routed experts are repacked into the fused layout
@@ -20,14 +21,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dist_glm5.model.config import ModelConfig
 from dist_glm5.checkpoint.loader import _dtype_of, check_checkpoint, meta_model
-from dist_glm5.quant.mxfp4 import RULES, decode
 from dist_glm5.checkpoint.safetensors_io import Checkpoint, CheckpointError
 from dist_glm5.checkpoint.shards import _Info
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.quant.mxfp4 import RULES, decode
 
 from .glm53 import expert_stream, source_files
-from .layout import check_mxfp4_dims, expert_key, fused_names, fused_shapes, group_by_file, serving_quant_config
+from .layout import (
+    check_mxfp4_dims,
+    expert_key,
+    fused_names,
+    fused_shapes,
+    group_by_file,
+    serving_quant_config,
+)
 from .output import OutputDir
 
 log = logging.getLogger(__name__)
@@ -35,23 +43,42 @@ SCALE = ".weight_scale"
 
 
 def register(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--src", required=True, help="AMD Quark MXFP4 checkpoint directory (quant_method: quark)")
-    p.add_argument("--dst", required=True, help="output directory (new or empty; a rerun of the same job resumes)")
-    p.add_argument("--mtp-rule", choices=RULES, default="ocp",
-                   help="rule for routed experts the release ships unquantised (GLM-5.2's MTP layer was served with ocp)")
+    p.add_argument(
+        "--src", required=True, help="AMD Quark MXFP4 checkpoint directory (quant_method: quark)"
+    )
+    p.add_argument(
+        "--dst",
+        required=True,
+        help="output directory (new or empty; a rerun of the same job resumes)",
+    )
+    p.add_argument(
+        "--mtp-rule",
+        choices=RULES,
+        default="ocp",
+        help="rule for routed experts the release ships unquantised "
+        "(GLM-5.2's MTP layer was served with ocp)",
+    )
     p.set_defaults(func=lambda a: convert_glm52(a.src, a.dst, a.mtp_rule) and 0)
 
 
 def check_quark_config(q: dict | None, where: Path) -> None:
     if not q or q.get("quant_method") != "quark":
-        raise ValueError(f"{where}: config.json has no Quark quantization_config (quant_method 'quark'): "
-                         "glm52 repacks AMD's Quark MXFP4 export; for the BF16 release use `convert glm53`")
+        raise ValueError(
+            f"{where}: config.json has no Quark quantization_config (quant_method 'quark'): "
+            "glm52 repacks AMD's Quark MXFP4 export; for the BF16 release use `convert glm53`"
+        )
     w = (q.get("global_quant_config") or {}).get("weight") or {}
     if (w.get("dtype"), w.get("group_size"), w.get("scale_format")) != ("fp4", 32, "e8m0"):
-        raise ValueError(f"{where}: Quark weight format {w.get('dtype')}/{w.get('group_size')}/{w.get('scale_format')} "
-                         "is not MXFP4 (fp4 elements, group 32, e8m0 scales)")
+        raise ValueError(
+            f"{where}: Quark weight format "
+            f"{w.get('dtype')}/{w.get('group_size')}/{w.get('scale_format')} is not MXFP4 (fp4 "
+            "elements, group 32, e8m0 scales)"
+        )
     if (q.get("export") or {}).get("weight_format", "real_quantized") != "real_quantized":
-        raise ValueError(f"{where}: Quark export is not real_quantized (packed bytes); re-export with real quantisation")
+        raise ValueError(
+            f"{where}: Quark export is not real_quantized (packed bytes); re-export with real "
+            "quantisation"
+        )
 
 
 class QuarkView:
@@ -71,17 +98,29 @@ class QuarkView:
                 problems.append(f"{n} has no {w} beside it")
                 continue
             pi, si = ck.info(w), ck.info(n)
-            if pi.dtype != torch.uint8 or si.dtype != torch.uint8 or len(pi.shape) != 2 or \
-                    si.shape != (pi.shape[0], pi.shape[1] * 2 // 32):
-                problems.append(f"{w} {pi.dtype} {list(pi.shape)} with scale {si.dtype} {list(si.shape)} is not an "
-                                "MXFP4 pair (uint8 [out, in/2] and uint8 [out, in/32])")
+            if (
+                pi.dtype != torch.uint8
+                or si.dtype != torch.uint8
+                or len(pi.shape) != 2
+                or si.shape != (pi.shape[0], pi.shape[1] * 2 // 32)
+            ):
+                problems.append(
+                    f"{w} {pi.dtype} {list(pi.shape)} with scale {si.dtype} {list(si.shape)} is "
+                    "not an MXFP4 pair (uint8 [out, in/2] and uint8 [out, in/32])"
+                )
                 continue
             self.quantised.add(w)
         for n in ck.names():
-            if ck.info(n).dtype == torch.uint8 and not n.endswith(SCALE) and n not in self.quantised:
+            if (
+                ck.info(n).dtype == torch.uint8
+                and not n.endswith(SCALE)
+                and n not in self.quantised
+            ):
                 problems.append(f"{n} is uint8 but has no {SCALE} beside it")
         if problems:
-            raise CheckpointError(f"{ck.dir}: malformed Quark MXFP4 tensors:\n  - " + "\n  - ".join(problems))
+            raise CheckpointError(
+                f"{ck.dir}: malformed Quark MXFP4 tensors:\n  - " + "\n  - ".join(problems)
+            )
 
     def names(self) -> list[str]:
         return [n for n in self.ck.names() if not n.endswith(SCALE)]
@@ -106,9 +145,12 @@ def convert_glm52(src: str | Path, dst: str | Path, mtp_rule: str = "ocp") -> di
     ck = Checkpoint(src)
     view = QuarkView(ck, wdt)
     check_checkpoint(meta_model(float_cfg), view, src)
-    job = {"tool": "glm52", "source": str(src.resolve()),
-           "source_config_sha256": hashlib.sha256((src / "config.json").read_bytes()).hexdigest(),
-           "options": {"mtp_rule": mtp_rule}}
+    job = {
+        "tool": "glm52",
+        "source": str(src.resolve()),
+        "source_config_sha256": hashlib.sha256((src / "config.json").read_bytes()).hexdigest(),
+        "options": {"mtp_rule": mtp_rule},
+    }
     out = OutputDir(dst, job)
     shapes = fused_shapes(cfg)
     encoded_layers, dequantised = [], []
@@ -120,17 +162,24 @@ def convert_glm52(src: str | Path, dst: str | Path, mtp_rule: str = "ocp") -> di
             for pre in prefixes:
                 q = {n in view.quantised for n in names if n.startswith(pre + ".")}
                 if len(q) != 1:
-                    raise CheckpointError(f"{pre}: some routed experts are MXFP4 and some are not; "
-                                          "a MoE block must be all one or the other")
+                    raise CheckpointError(
+                        f"{pre}: some routed experts are MXFP4 and some are not; "
+                        "a MoE block must be all one or the other"
+                    )
                 modes[pre] = "copy" if q.pop() else "encode"
             dequantised += [n for n in plain if n in view.quantised]
             encoded_layers += [pre for pre, m in modes.items() if m == "encode"]
             if out.is_done(fname):
                 bar.update(len(names))
                 continue
-            plan = [(n, wdt if n in view.quantised else ck.info(n).dtype, view.info(n).shape) for n in plain]
+            plan = [
+                (n, wdt if n in view.quantised else ck.info(n).dtype, view.info(n).shape)
+                for n in plain
+            ]
             for pre in prefixes:
-                plan += [(name, torch.uint8, shapes[name.rsplit(".", 1)[1]]) for name in fused_names(pre)]
+                plan += [
+                    (name, torch.uint8, shapes[name.rsplit(".", 1)[1]]) for name in fused_names(pre)
+                ]
 
             def stream(plain=plain, prefixes=prefixes, modes=modes):
                 for n in plain:
@@ -148,16 +197,26 @@ def convert_glm52(src: str | Path, dst: str | Path, mtp_rule: str = "ocp") -> di
             bar.update(len(names))
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {
-        **serving_quant_config("quark", mtp_rule, "glm52: AMD Quark MXFP4 bytes repacked, not requantised"),
-        "encoded_with_mtp_rule": encoded_layers, "dequantised_to_" + str(wdt).replace("torch.", ""): len(dequantised)}
+        **serving_quant_config(
+            "quark", mtp_rule, "glm52: AMD Quark MXFP4 bytes repacked, not requantised"
+        ),
+        "encoded_with_mtp_rule": encoded_layers,
+        "dequantised_to_" + str(wdt).replace("torch.", ""): len(dequantised),
+    }
     manifest = out.finish(config, source_files(src))
-    log.info("glm52: repacked %s; encoded %s with %s; %d quantised non-expert linears decoded",
-             dst, encoded_layers or "nothing", mtp_rule, len(dequantised))
+    log.info(
+        "glm52: repacked %s; encoded %s with %s; %d quantised non-expert linears decoded",
+        dst,
+        encoded_layers or "nothing",
+        mtp_rule,
+        len(dequantised),
+    )
     return manifest
 
 
 def _repack_stream(ck: Checkpoint, prefix: str, n_experts: int):
     """The fused tensors of one MoE block, made of the source's own bytes in [gate; up] order."""
+
     def parts(projs, kind):
         for e in range(n_experts):
             for proj in projs:

@@ -46,22 +46,28 @@ class _Hashing:
         self.h = hashlib.sha256()
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for part in ([self.t] if isinstance(self.t, torch.Tensor) else self.t):
+        for part in [self.t] if isinstance(self.t, torch.Tensor) else self.t:
             if part.numel():
                 self.h.update(memoryview(part.contiguous().reshape(-1).view(torch.uint8).numpy()))
             yield part
 
 
 def claim(path: Path, job: dict) -> None:
-    """Make `path` this job's: new, empty, or holding the same job (resume). Partial files are removed."""
+    """Make `path` this job's: new, empty, or holding the same job (resume). Partial files are
+    removed."""
     if path.exists() and any(path.iterdir()):
         jf = path / JOB
         if not jf.exists():
-            raise DestinationError(f"destination {path} already holds other files: choose an empty or new directory")
+            raise DestinationError(
+                f"destination {path} already holds other files: choose an empty or new directory"
+            )
         old = json.loads(jf.read_text())
         if old != job:
-            raise DestinationError(f"destination {path} holds a different conversion ({old.get('tool')} of "
-                                   f"{old.get('source')} with {old.get('options')}): choose another directory or remove it")
+            raise DestinationError(
+                f"destination {path} holds a different conversion ({old.get('tool')} of "
+                f"{old.get('source')} with {old.get('options')}): choose another directory or "
+                "remove it"
+            )
         log.info("resuming the conversion in %s", path)
     path.mkdir(parents=True, exist_ok=True)
     for stale in path.glob("*.tmp*"):  # partial files of a crashed run are never trusted
@@ -88,12 +94,19 @@ class OutputDir:
         entry = self.done / f"{filename}.json"
         if entry.exists():
             return json.loads(entry.read_text())["file_bytes"] == f.stat().st_size
-        m = self.path / MANIFEST  # a finished job rerun: trust files its manifest lists with their size
+        m = (
+            self.path / MANIFEST
+        )  # a finished job rerun: trust files its manifest lists with their size
         return m.exists() and json.loads(m.read_text())["files"].get(filename) == f.stat().st_size
 
-    def write(self, filename: str, plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
-              tensors: Iterable[tuple[str, object]]) -> None:
-        """Stream one safetensors file; `tensors` yields (name, tensor or iterable of parts) in plan order."""
+    def write(
+        self,
+        filename: str,
+        plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        tensors: Iterable[tuple[str, object]],
+    ) -> None:
+        """Stream one safetensors file; `tensors` yields (name, tensor or iterable of parts) in plan
+        order."""
         hashes: dict[str, _Hashing] = {}
 
         def hashed():
@@ -102,12 +115,24 @@ class OutputDir:
                 yield name, hashes[name]
 
         save_streaming(self.path / filename, hashed(), metadata={"format": "pt"}, plan=plan)
-        entry = {"file": filename, "file_bytes": (self.path / filename).stat().st_size, "tensors": {
-            name: {"dtype": DTYPE_NAMES[dt], "shape": list(shape), "bytes": dt.itemsize * _numel(shape),
-                   "sha256": hashes[name].h.hexdigest()} for name, dt, shape in plan}}
+        entry = {
+            "file": filename,
+            "file_bytes": (self.path / filename).stat().st_size,
+            "tensors": {
+                name: {
+                    "dtype": DTYPE_NAMES[dt],
+                    "shape": list(shape),
+                    "bytes": dt.itemsize * _numel(shape),
+                    "sha256": hashes[name].h.hexdigest(),
+                }
+                for name, dt, shape in plan
+            },
+        }
         _atomic_write_text(self.done / f"{filename}.json", json.dumps(entry))
 
-    def finish(self, config: dict, extra_files: Iterable[Path] = (), manifest_extra: dict | None = None) -> dict:
+    def finish(
+        self, config: dict, extra_files: Iterable[Path] = (), manifest_extra: dict | None = None
+    ) -> dict:
         entries = [json.loads(p.read_text()) for p in sorted(self.done.glob("*.json"))]
         old = self.path / MANIFEST
         if old.exists():  # files finished by an earlier complete run of the same job
@@ -115,8 +140,17 @@ class OutputDir:
             have = {e["file"] for e in entries}
             for fn, size in m["files"].items():
                 if fn not in have:
-                    entries.append({"file": fn, "file_bytes": size, "tensors": {
-                        n: {k: v for k, v in t.items() if k != "file"} for n, t in m["tensors"].items() if t["file"] == fn}})
+                    entries.append(
+                        {
+                            "file": fn,
+                            "file_bytes": size,
+                            "tensors": {
+                                n: {k: v for k, v in t.items() if k != "file"}
+                                for n, t in m["tensors"].items()
+                                if t["file"] == fn
+                            },
+                        }
+                    )
         weight_map, tensors = {}, {}
         for e in entries:
             for name, t in e["tensors"].items():
@@ -124,11 +158,23 @@ class OutputDir:
                 tensors[name] = {**t, "file": e["file"]}
         for f in extra_files:
             shutil.copyfile(f, self.path / f.name)
-        _atomic_write_text(self.path / "model.safetensors.index.json", json.dumps(
-            {"metadata": {"total_size": sum(t["bytes"] for t in tensors.values())}, "weight_map": weight_map}, indent=1))
+        _atomic_write_text(
+            self.path / "model.safetensors.index.json",
+            json.dumps(
+                {
+                    "metadata": {"total_size": sum(t["bytes"] for t in tensors.values())},
+                    "weight_map": weight_map,
+                },
+                indent=1,
+            ),
+        )
         _atomic_write_text(self.path / "config.json", json.dumps(config, indent=1))
-        manifest = {"job": self.job, "files": {e["file"]: e["file_bytes"] for e in entries}, "tensors": tensors,
-                    **(manifest_extra or {})}
+        manifest = {
+            "job": self.job,
+            "files": {e["file"]: e["file_bytes"] for e in entries},
+            "tensors": tensors,
+            **(manifest_extra or {}),
+        }
         _atomic_write_text(self.path / MANIFEST, json.dumps(manifest, indent=1))
         shutil.rmtree(self.done)
         return manifest

@@ -1,4 +1,5 @@
-"""`convert probe --model DIR`: which w13 row layout does the MoE kernel read? With negative controls.
+"""`convert probe --model DIR`: which w13 row layout does the MoE kernel read? With negative
+controls.
 
 The checkpoint's routed experts (MXFP4 serving or float) are dequantised into a float reference
 with the documented semantics (rows [gate; up]). The kernel under test (the chosen backend's MoE
@@ -26,24 +27,43 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dist_glm5.checkpoint.shards import open_checkpoint
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.moe import experts_reference
 from dist_glm5.quant.mxfp4 import decode
-from dist_glm5.checkpoint.shards import open_checkpoint
 
 log = logging.getLogger(__name__)
 LAYOUTS = ("gate_up", "up_gate", "interleaved")
 
 
 def register(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory (MXFP4 serving, float, or sharded)")
-    p.add_argument("--layer", type=int, default=None, help="MoE layer to probe (default: the first)")
+    p.add_argument(
+        "--model", required=True, help="checkpoint directory (MXFP4 serving, float, or sharded)"
+    )
+    p.add_argument(
+        "--layer", type=int, default=None, help="MoE layer to probe (default: the first)"
+    )
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--act-scale", type=float, default=4.0, help="std of gate pre-activations (SiLU is non-linear at ~4)")
-    p.add_argument("--margin", type=float, default=3.0,
-                   help="a control within this factor of the winner's relative error makes the verdict inconclusive")
-    p.add_argument("--min-gap", type=float, default=0.05,
-                   help="a wrong layout or control must be at least this far off (relative error) to count as separated")
+    p.add_argument(
+        "--act-scale",
+        type=float,
+        default=4.0,
+        help="std of gate pre-activations (SiLU is non-linear at ~4)",
+    )
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=3.0,
+        help="a control within this factor of the winner's relative error makes the verdict "
+        "inconclusive",
+    )
+    p.add_argument(
+        "--min-gap",
+        type=float,
+        default=0.05,
+        help="a wrong layout or control must be at least this far off (relative error) to count "
+        "as separated",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
@@ -56,7 +76,9 @@ class Score:
     rel_err: float
 
 
-def load_experts(model_dir: Path, layer: int | None) -> tuple[ModelConfig, int, torch.Tensor, torch.Tensor]:
+def load_experts(
+    model_dir: Path, layer: int | None
+) -> tuple[ModelConfig, int, torch.Tensor, torch.Tensor]:
     """Float w13 [E, 2I, H] ([gate; up] rows) and w2 [E, H, I] of one MoE layer."""
     cfg = ModelConfig.from_hf(model_dir)
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
@@ -69,11 +91,21 @@ def load_experts(model_dir: Path, layer: int | None) -> tuple[ModelConfig, int, 
     pre = f"model.layers.{layer}.mlp.experts"
     if cfg.experts_format == "mxfp4":
         g = lambda t: ck.get(f"{pre}.routed_experts.{t}")  # noqa: E731
-        return cfg, layer, decode(g("w13_weight"), g("w13_weight_scale"), torch.float32), \
-            decode(g("w2_weight"), g("w2_weight_scale"), torch.float32)
+        return (
+            cfg,
+            layer,
+            decode(g("w13_weight"), g("w13_weight_scale"), torch.float32),
+            decode(g("w2_weight"), g("w2_weight_scale"), torch.float32),
+        )
     E = cfg.n_routed_experts
-    w13 = torch.stack([torch.cat([ck.get(f"{pre}.{e}.gate_proj.weight"), ck.get(f"{pre}.{e}.up_proj.weight")]).float()
-                       for e in range(E)])
+    w13 = torch.stack(
+        [
+            torch.cat(
+                [ck.get(f"{pre}.{e}.gate_proj.weight"), ck.get(f"{pre}.{e}.up_proj.weight")]
+            ).float()
+            for e in range(E)
+        ]
+    )
     w2 = torch.stack([ck.get(f"{pre}.{e}.down_proj.weight").float() for e in range(E)])
     return cfg, layer, w13, w2
 
@@ -102,8 +134,16 @@ def score(name: str, got: torch.Tensor, want: torch.Tensor) -> Score:
     return Score(name, cos, rel)
 
 
-def probe(model_dir: str | Path, layer: int | None = None, tokens: int = 64, act_scale: float = 4.0,
-          margin: float = 3.0, seed: int = 0, kernel=cpu_kernel, min_gap: float = 0.05) -> dict:
+def probe(
+    model_dir: str | Path,
+    layer: int | None = None,
+    tokens: int = 64,
+    act_scale: float = 4.0,
+    margin: float = 3.0,
+    seed: int = 0,
+    kernel=cpu_kernel,
+    min_gap: float = 0.05,
+) -> dict:
     cfg, layer, w13, w2 = load_experts(Path(model_dir), layer)
     E, I = w13.shape[0], w13.shape[1] // 2
     g = torch.Generator().manual_seed(seed)
@@ -118,47 +158,88 @@ def probe(model_dir: str | Path, layer: int | None = None, tokens: int = 64, act
         out = torch.zeros_like(xx)
         for t in range(xx.shape[0]):
             for j, e in enumerate(ids[t].tolist()):
-                out[t] += weights[t, j] * (F.silu(w13[e, :I] @ xx[t]) * (w13[e, I:] @ xx[t])) @ w2[e].T
+                out[t] += (
+                    weights[t, j] * (F.silu(w13[e, :I] @ xx[t]) * (w13[e, I:] @ xx[t])) @ w2[e].T
+                )
         return out
 
     want = reference(x)
-    cands = [score(L, kernel(x, weights, ids, arrange(w13, L).contiguous(), w2), want) for L in LAYOUTS]
+    cands = [
+        score(L, kernel(x, weights, ids, arrange(w13, L).contiguous(), w2), want) for L in LAYOUTS
+    ]
     best = min(cands, key=lambda s: s.rel_err)
     roll = torch.roll(torch.arange(E), 1)
     small = x / 1000
     controls = [
-        score("shuffled-experts", kernel(x, weights, ids, arrange(w13, best.name)[roll].contiguous(), w2[roll]), want),
+        score(
+            "shuffled-experts",
+            kernel(x, weights, ids, arrange(w13, best.name)[roll].contiguous(), w2[roll]),
+            want,
+        ),
     ]
-    # in the linear regime the best layout's mirror image must come close: proof the probe needs non-linearity
+    # in the linear regime the best layout's mirror image must come close: proof the probe needs
+    # non-linearity
     mirror = {"gate_up": "up_gate", "up_gate": "gate_up", "interleaved": "interleaved"}[best.name]
     want_small = reference(small)
-    lin_best = score(best.name, kernel(small, weights, ids, arrange(w13, best.name).contiguous(), w2), want_small)
-    lin_mirror = score(f"linear-regime {mirror}", kernel(small, weights, ids, arrange(w13, mirror).contiguous(), w2),
-                       want_small)
+    lin_best = score(
+        best.name, kernel(small, weights, ids, arrange(w13, best.name).contiguous(), w2), want_small
+    )
+    lin_mirror = score(
+        f"linear-regime {mirror}",
+        kernel(small, weights, ids, arrange(w13, mirror).contiguous(), w2),
+        want_small,
+    )
     controls.append(lin_mirror)
-    # separated = off by more than margin x the winner's error AND by more than min_gap: an exact CPU
-    # kernel has ~1e-7 error, a real one ~5e-3, and the verdict must not hinge on which
+    # separated = off by more than margin x the winner's error AND by more than min_gap: an exact
+    # CPU kernel has ~1e-7 error, a real one ~5e-3, and the verdict must not hinge on which
     floor = max(margin * best.rel_err, min_gap)
-    reasons = [f"control {c.name} rel. err {c.rel_err:.3g} is not separated from the winner's {best.rel_err:.3g} "
-               f"(needs > {floor:.3g})" for c in controls[:1] if c.rel_err <= floor]
+    reasons = [
+        f"control {c.name} rel. err {c.rel_err:.3g} is not separated from the winner's "
+        f"{best.rel_err:.3g} (needs > {floor:.3g})"
+        for c in controls[:1]
+        if c.rel_err <= floor
+    ]
     runner = sorted(cands, key=lambda s: s.rel_err)[1]
     if runner.rel_err <= floor:
-        reasons.append(f"candidate {runner.name} rel. err {runner.rel_err:.3g} is not separated from {best.name}'s "
-                       f"{best.rel_err:.3g} (needs > {floor:.3g}): raise --act-scale so SiLU is non-linear")
+        reasons.append(
+            f"candidate {runner.name} rel. err {runner.rel_err:.3g} is not separated from "
+            f"{best.name}'s {best.rel_err:.3g} (needs > {floor:.3g}): raise --act-scale so SiLU is "
+            "non-linear"
+        )
     if lin_mirror.rel_err > 0.5:  # SiLU is ~linear at x/1000: a layout swap must then barely matter
-        reasons.append("the linear-regime control did not behave as expected: the probe cannot separate layouts")
+        reasons.append(
+            "the linear-regime control did not behave as expected: the probe cannot separate "
+            "layouts"
+        )
     verdict = "inconclusive" if reasons else best.name
-    return {"model": str(model_dir), "layer": layer, "act_scale": act_scale, "verdict": verdict, "reasons": reasons,
-            "candidates": [vars(c) for c in cands], "controls": [vars(c) for c in controls],
-            "linear_regime_winner": vars(lin_best)}
+    return {
+        "model": str(model_dir),
+        "layer": layer,
+        "act_scale": act_scale,
+        "verdict": verdict,
+        "reasons": reasons,
+        "candidates": [vars(c) for c in cands],
+        "controls": [vars(c) for c in controls],
+        "linear_regime_winner": vars(lin_best),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
-    r = probe(args.model, args.layer, args.tokens, args.act_scale, args.margin, args.seed, min_gap=args.min_gap)
+    r = probe(
+        args.model,
+        args.layer,
+        args.tokens,
+        args.act_scale,
+        args.margin,
+        args.seed,
+        min_gap=args.min_gap,
+    )
     if args.json:
         print(json.dumps(r, indent=1))
         return 0
-    print(f"layout probe: {r['model']} layer {r['layer']}, gate pre-activation std {r['act_scale']}")
+    print(
+        f"layout probe: {r['model']} layer {r['layer']}, gate pre-activation std {r['act_scale']}"
+    )
     print(f"{'':18}{'layout':>22} {'cosine':>9} {'rel. err':>10}")
     for kind, rows in (("candidate", r["candidates"]), ("negative control", r["controls"])):
         for s in rows:

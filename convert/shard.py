@@ -1,4 +1,5 @@
-"""`convert shard`: split a checkpoint per pipeline stage and, inside each stage, per expert-parallel rank.
+"""`convert shard`: split a checkpoint per pipeline stage and, inside each stage, per
+expert-parallel rank.
 
 Layer ranges come from the pure `partition_layers` (embedding on the first stage; final norm,
 lm_head and the MTP layer on the last); expert ranges from `expert_ranges`. Each output directory
@@ -17,11 +18,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dist_glm5.model.config import ModelConfig
 from dist_glm5.checkpoint.loader import check_checkpoint, meta_model
-from dist_glm5.planning.partition import expert_ranges, partition_layers
 from dist_glm5.checkpoint.safetensors_io import Checkpoint, CheckpointError
 from dist_glm5.checkpoint.shards import SHARDS_FILE, is_sharded, rank_dir, stage_dir
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.planning.partition import expert_ranges, partition_layers
 
 from .glm53 import source_files
 from .layout import expert_key, group_by_file, layer_of
@@ -31,8 +32,14 @@ log = logging.getLogger(__name__)
 
 
 def register(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--src", required=True, help="checkpoint directory (HF float or our MXFP4 serving layout)")
-    p.add_argument("--dst", required=True, help="output directory (new or empty; a rerun of the same job resumes)")
+    p.add_argument(
+        "--src", required=True, help="checkpoint directory (HF float or our MXFP4 serving layout)"
+    )
+    p.add_argument(
+        "--dst",
+        required=True,
+        help="output directory (new or empty; a rerun of the same job resumes)",
+    )
     p.add_argument("--stages", type=int, required=True, help="pipeline stages (nodes)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks per stage")
     p.set_defaults(func=lambda a: shard_checkpoint(a.src, a.dst, a.stages, a.ep) and 0)
@@ -63,9 +70,12 @@ def shard_checkpoint(src: str | Path, dst: str | Path, stages: int, ep: int = 1)
     eranges = expert_ranges(cfg.n_routed_experts, ep)
     ckpt = Checkpoint(src)
     check_checkpoint(meta_model(cfg), ckpt, src)
-    job = {"tool": "shard", "source": str(src.resolve()),
-           "source_config_sha256": hashlib.sha256((src / "config.json").read_bytes()).hexdigest(),
-           "options": {"stages": stages, "ep": ep}}
+    job = {
+        "tool": "shard",
+        "source": str(src.resolve()),
+        "source_config_sha256": hashlib.sha256((src / "config.json").read_bytes()).hexdigest(),
+        "options": {"stages": stages, "ep": ep},
+    }
     claim(dst, job)
     config = json.loads((src / "config.json").read_text())
     by_stage: dict[int, list[str]] = {s: [] for s in range(stages)}
@@ -78,7 +88,9 @@ def shard_checkpoint(src: str | Path, dst: str | Path, stages: int, ep: int = 1)
             common = [n for n in names if not is_routed_expert(n)]
             out = OutputDir(stage_dir(dst, s), {**job, "part": f"stage {s}"})
             _copy_files(out, ckpt, common)
-            out.finish(config, manifest_extra={"stage": s, "layers": [ranges[s].start, ranges[s].stop]})
+            out.finish(
+                config, manifest_extra={"stage": s, "layers": [ranges[s].start, ranges[s].stop]}
+            )
             parts.append(stage_dir(dst, s).relative_to(dst).as_posix())
             bar.update()
             experts = [n for n in names if is_routed_expert(n)]
@@ -86,22 +98,34 @@ def shard_checkpoint(src: str | Path, dst: str | Path, stages: int, ep: int = 1)
                 out = OutputDir(rank_dir(dst, s, r), {**job, "part": f"stage {s} ep {r}"})
                 mine = [n for n in experts if expert_key(n) is None or expert_key(n)[2] in er]
                 _copy_files(out, ckpt, mine, rows=er)
-                out.finish(config, manifest_extra={"stage": s, "ep_rank": r, "experts": [er.start, er.stop]})
+                out.finish(
+                    config,
+                    manifest_extra={"stage": s, "ep_rank": r, "experts": [er.start, er.stop]},
+                )
                 parts.append(rank_dir(dst, s, r).relative_to(dst).as_posix())
                 bar.update()
     for f in source_files(src):
         (dst / f.name).write_bytes(f.read_bytes())
-    meta = {"format": "dist_glm5-shards", "stages": stages, "ep": ep,
-            "layers": [[r.start, r.stop] for r in ranges], "experts": [[r.start, r.stop] for r in eranges],
-            "parts": parts, "source": str(src.resolve())}
+    meta = {
+        "format": "dist_glm5-shards",
+        "stages": stages,
+        "ep": ep,
+        "layers": [[r.start, r.stop] for r in ranges],
+        "experts": [[r.start, r.stop] for r in eranges],
+        "parts": parts,
+        "source": str(src.resolve()),
+    }
     write_json(dst / "config.json", config)
     write_json(dst / SHARDS_FILE, meta)
     log.info("shard: %d stages x %d EP ranks written to %s", stages, ep, dst)
     return meta
 
 
-def _copy_files(out: OutputDir, ckpt: Checkpoint, names: list[str], rows: range | None = None) -> None:
-    """Copy `names` into `out`, one output file per source layer file; stacked experts keep only `rows`."""
+def _copy_files(
+    out: OutputDir, ckpt: Checkpoint, names: list[str], rows: range | None = None
+) -> None:
+    """Copy `names` into `out`, one output file per source layer file; stacked experts keep only
+    `rows`."""
     for fname, group in group_by_file(names).items():
         if out.is_done(fname):
             continue
@@ -110,7 +134,16 @@ def _copy_files(out: OutputDir, ckpt: Checkpoint, names: list[str], rows: range 
             info = ckpt.info(n)
             stacked = rows is not None and ".routed_experts." in n
             if stacked and info.shape[0] < rows.stop:
-                raise CheckpointError(f"{n} holds {info.shape[0]} experts, fewer than the EP split needs ({rows.stop})")
+                raise CheckpointError(
+                    f"{n} holds {info.shape[0]} experts, fewer than the EP split needs "
+                    f"({rows.stop})"
+                )
             plan.append((n, info.dtype, (len(rows), *info.shape[1:]) if stacked else info.shape))
-        out.write(fname, plan, ((n, ckpt.read(n, rows if rows is not None and ".routed_experts." in n else None))
-                                for n in group))
+        out.write(
+            fname,
+            plan,
+            (
+                (n, ckpt.read(n, rows if rows is not None and ".routed_experts." in n else None))
+                for n in group
+            ),
+        )

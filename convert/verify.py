@@ -1,8 +1,10 @@
-"""`convert verify DIR`: check a converted or sharded directory against its manifests and its config.
+"""`convert verify DIR`: check a converted or sharded directory against its manifests and its
+config.
 
 Per directory: every file the manifest lists is there with its size; every tensor is there with its
 dtype, shape and sha256, and no tensor is there that the manifest does not list. Then the whole
-(all stages and ranks together) must be exactly what the config's model needs (loader.check_checkpoint).
+(all stages and ranks together) must be exactly what the config's model needs
+(loader.check_checkpoint).
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dist_glm5.model.config import ModelConfig
 from dist_glm5.checkpoint.loader import check_checkpoint, meta_model
 from dist_glm5.checkpoint.safetensors_io import DTYPE_NAMES, Checkpoint, CheckpointError
 from dist_glm5.checkpoint.shards import SHARDS_FILE, ShardedCheckpoint, is_sharded
+from dist_glm5.model.config import ModelConfig
 
 from .output import MANIFEST
 
@@ -38,7 +40,10 @@ def run(args: argparse.Namespace) -> int:
         for p in problems:
             print(f"  - {p}")
         return 1
-    print(f"OK: {counted} tensors verified (bytes, shapes, dtypes, sha256) and consistent with the config in {args.dir}")
+    print(
+        f"OK: {counted} tensors verified (bytes, shapes, dtypes, sha256) and consistent with the "
+        f"config in {args.dir}"
+    )
     return 0
 
 
@@ -68,13 +73,20 @@ def verify_part(d: Path) -> tuple[list[str], int]:
     for n in tqdm(sorted(want & have), desc=f"verify {d.name}", leave=False):
         t, info = m["tensors"][n], ck.info(n)
         if DTYPE_NAMES[info.dtype] != t["dtype"] or list(info.shape) != t["shape"]:
-            problems.append(f"{d}: tensor {n} is {DTYPE_NAMES[info.dtype]} {list(info.shape)}, the manifest says "
-                            f"{t['dtype']} {t['shape']}")
+            problems.append(
+                f"{d}: tensor {n} is {DTYPE_NAMES[info.dtype]} {list(info.shape)}, the manifest "
+                f"says {t['dtype']} {t['shape']}"
+            )
             continue
         data = ck.read(n)
-        digest = hashlib.sha256(memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else b"").hexdigest()
+        digest = hashlib.sha256(
+            memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else b""
+        ).hexdigest()
         if digest != t["sha256"]:
-            problems.append(f"{d}: tensor {n} has sha256 {digest[:16]}..., the manifest says {t['sha256'][:16]}...")
+            problems.append(
+                f"{d}: tensor {n} has sha256 {digest[:16]}..., the manifest says "
+                f"{t['sha256'][:16]}..."
+            )
     return problems, len(want & have)
 
 

@@ -23,8 +23,22 @@ from dist_glm5.model.dsa_config import DSAConfig
 from .engine_args import add_layout_args, build_engine, engine_config, model_dir
 
 log = logging.getLogger(__name__)
-FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "logit_bias",
-          "min_tokens", "bad_words", "ignore_eos", "logprobs", "prompt_logprobs"}
+FIELDS = {
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "logit_bias",
+    "min_tokens",
+    "bad_words",
+    "ignore_eos",
+    "logprobs",
+    "prompt_logprobs",
+}
 
 
 def register(p: argparse.ArgumentParser) -> None:
@@ -69,8 +83,8 @@ def done_ids(path: Path) -> set[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dist_glm5.sampling.params import SamplingParams
     from dist_glm5.checkpoint.tokenizer import load_tokenizer
+    from dist_glm5.sampling.params import SamplingParams
 
     d = model_dir(args)
     tok = load_tokenizer(d)
@@ -78,12 +92,17 @@ def run(args: argparse.Namespace) -> int:
     jobs = read_jobs(Path(args.input), tok)
     finished = done_ids(out_path)
     todo = [j for j in jobs if j["id"] not in finished]
-    log.info("%d prompts, %d already answered, %d to run", len(jobs), len(jobs) - len(todo), len(todo))
+    log.info(
+        "%d prompts, %d already answered, %d to run", len(jobs), len(jobs) - len(todo), len(todo)
+    )
     if out_path.exists() and out_path.read_bytes() and not out_path.read_bytes().endswith(b"\n"):
-        with open(out_path, "ab") as f:  # close a torn line so the next result starts on its own line
+        with open(
+            out_path, "ab"
+        ) as f:  # close a torn line so the next result starts on its own line
             f.write(b"\n")
-    engine = build_engine(engine_config(
-        args, d, dsa=DSAConfig(mode="sparse") if args.sparse else None))
+    engine = build_engine(
+        engine_config(args, d, dsa=DSAConfig(mode="sparse") if args.sparse else None)
+    )
     pending: dict[int, dict] = {}
     # Fault injection for the crash-resume test: die by SIGKILL right after this many lines, a
     # deterministic point (polling the file from outside races the job's end).
@@ -92,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="batch", unit="prompt")
     try:
         with open(out_path, "a") as out:
+
             def write(obj):
                 nonlocal written
                 out.write(json.dumps(obj) + "\n")
@@ -141,8 +161,12 @@ def run(args: argparse.Namespace) -> int:
 def _result(j: dict, seq, tok) -> dict:
     if seq.finish_reason == "error":
         return {"id": j["id"], "error": seq.error}
-    r = {"id": j["id"], "token_ids": seq.output, "finish_reason": seq.finish_reason,
-         "usage": {"prompt_tokens": len(seq.prompt), "completion_tokens": len(seq.output)}}
+    r = {
+        "id": j["id"],
+        "token_ids": seq.output,
+        "finish_reason": seq.finish_reason,
+        "usage": {"prompt_tokens": len(seq.prompt), "completion_tokens": len(seq.output)},
+    }
     if tok is not None:
         r["text"] = tok.decode(seq.output)
     if seq.logprobs:

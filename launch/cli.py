@@ -1,4 +1,5 @@
-"""`dist-glm5` command line: subcommands launch, bench (and more as they land). `launch X` == `dist-glm5 launch X`."""
+"""`dist-glm5` command line: subcommands launch, bench (and more as they land). `launch X` ==
+`dist-glm5 launch X`."""
 
 from __future__ import annotations
 
@@ -10,22 +11,31 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from dist_glm5 import bench, convert, launch
 
-    p = argparse.ArgumentParser(prog="dist-glm5", description="Serve GLM-5 family models (CPU reference runtime).")
+    p = argparse.ArgumentParser(
+        prog="dist-glm5", description="Serve GLM-5 family models (CPU reference runtime)."
+    )
     p.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING)")
     sub = p.add_subparsers(dest="command", required=True)
     launch.register(sub.add_parser("launch", help="run the model: generate, ..."))
     convert.register(sub.add_parser("convert", help="checkpoint converters: glm53, ..."))
     from dist_glm5.launch import placement
 
-    placement.register(sub.add_parser("placement", help="expert routes and expert-to-rank placement"))
-    bench.register(sub.add_parser("bench", help="benchmarks, printed as ratios measured side by side"))
+    placement.register(
+        sub.add_parser("placement", help="expert routes and expert-to-rank placement")
+    )
+    bench.register(
+        sub.add_parser("bench", help="benchmarks, printed as ratios measured side by side")
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         return int(args.func(args) or 0)
     except (ValueError, RuntimeError, FileNotFoundError) as e:

@@ -19,16 +19,27 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, default=1, help="pipeline stages (one per node)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks per stage (1 or --tp)")
-    p.add_argument("--mtp", action="store_true", help="MTP speculative decoding (one draft per step)")
-    p.add_argument("--address", help="an existing Ray cluster (ray start --head ...); default: a local one")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address our sockets bind and advertise (this node's IP for multi-node)")
+    p.add_argument(
+        "--mtp", action="store_true", help="MTP speculative decoding (one draft per step)"
+    )
+    p.add_argument(
+        "--address", help="an existing Ray cluster (ray start --head ...); default: a local one"
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address our sockets bind and advertise (this node's IP for multi-node)",
+    )
     p.add_argument("--microbatches", type=int, default=2, help="micro-batches in flight")
     p.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk size")
     p.add_argument("--cache-blocks", type=int, default=1024, help="paged-cache blocks per worker")
     p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="compute dtype (default: the checkpoint's)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
     p.add_argument("--placement", help="expert-to-rank placement JSON (dist-glm5 placement fit)")
 
@@ -42,9 +53,15 @@ def model_dir(args: argparse.Namespace) -> Path:
     return d
 
 
-def engine_config(args: argparse.Namespace, d: Path, *, max_model_len: int | None = None,
-                  dsa: DSAConfig | None = None, profile: bool = False,
-                  cache_blocks: int | None = None) -> EngineConfig:
+def engine_config(
+    args: argparse.Namespace,
+    d: Path,
+    *,
+    max_model_len: int | None = None,
+    dsa: DSAConfig | None = None,
+    profile: bool = False,
+    cache_blocks: int | None = None,
+) -> EngineConfig:
     """The one configuration from the flags (and what the subcommand decides: context, DSA path,
     profiling, a cache sized for its context)."""
     from dist_glm5.model.config import ModelConfig
@@ -56,12 +73,25 @@ def engine_config(args: argparse.Namespace, d: Path, *, max_model_len: int | Non
         placement = load_placement(args.placement)
         check_placement(cfg, placement)
     cache = CacheConfig(cache_blocks or args.cache_blocks, args.block_size)
-    sched = SchedulerConfig(chunk_tokens=args.chunk_tokens, microbatches=args.microbatches,
-                            max_model_len=max_model_len or min(cfg.max_position_embeddings,
-                                                               cache.tokens))
-    return EngineConfig(str(d), Layout(args.stages, args.tp, args.ep), cache, sched,
-                        dsa or DSAConfig(), mtp=args.mtp, dtype=args.dtype, threads=args.threads,
-                        placement=placement, profile=profile, address=args.address, host=args.host)
+    sched = SchedulerConfig(
+        chunk_tokens=args.chunk_tokens,
+        microbatches=args.microbatches,
+        max_model_len=max_model_len or min(cfg.max_position_embeddings, cache.tokens),
+    )
+    return EngineConfig(
+        str(d),
+        Layout(args.stages, args.tp, args.ep),
+        cache,
+        sched,
+        dsa or DSAConfig(),
+        mtp=args.mtp,
+        dtype=args.dtype,
+        threads=args.threads,
+        placement=placement,
+        profile=profile,
+        address=args.address,
+        host=args.host,
+    )
 
 
 def build_engine(engine: EngineConfig):
@@ -80,5 +110,6 @@ def build_engine(engine: EngineConfig):
         from dist_glm5.stages.ray_pipeline import RayPipeline
 
         pipe = RayPipeline(engine)
-    return Coordinator(pipe, engine.scheduler, cfg.eos_token_id, cfg.vocab_size,
-                       load_tokenizer(engine.model_dir))
+    return Coordinator(
+        pipe, engine.scheduler, cfg.eos_token_id, cfg.vocab_size, load_tokenizer(engine.model_dir)
+    )

@@ -1,4 +1,5 @@
-"""The engine loop: one thread owns the coordinator; servers and batch jobs talk to it through queues.
+"""The engine loop: one thread owns the coordinator; servers and batch jobs talk to it through
+queues.
 
 `submit()` may be called from any thread; it returns a Handle whose queue receives
 ("delta", token ids) as tokens are produced, then ("done", Sequence), ("invalid", message) for a
@@ -35,8 +36,14 @@ class EngineLoop:
         self.inbox: "queue.Queue[tuple[list[int], SamplingParams, Handle]]" = queue.Queue()
         self.live: list[Handle] = []
         self.stop = threading.Event()
-        self.metrics = {"requests": 0, "requests_failed": 0, "prompt_tokens": 0, "completion_tokens": 0,
-                        "ttft_sum": 0.0, "ttft_count": 0}
+        self.metrics = {
+            "requests": 0,
+            "requests_failed": 0,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "ttft_sum": 0.0,
+            "ttft_count": 0,
+        }
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.thread.start()
 
@@ -69,7 +76,7 @@ class EngineLoop:
                     h.first_token = now
                     self.metrics["ttft_sum"] += now - h.submitted
                     self.metrics["ttft_count"] += 1
-                h.events.put(("delta", s.output[h.sent:]))
+                h.events.put(("delta", s.output[h.sent :]))
                 self.metrics["completion_tokens"] += len(s.output) - h.sent
                 h.sent = len(s.output)
             if s.finished:
@@ -88,7 +95,9 @@ class EngineLoop:
                 continue
             try:
                 self.c.step()
-            except Exception as e:  # the loop must survive: fail what started, restart, keep serving
+            except (
+                Exception
+            ) as e:  # the loop must survive: fail what started, restart, keep serving
                 log.exception("engine step failed")
                 self.c.scheduler.fail_all_started(f"engine failure: {type(e).__name__}: {e}")
                 self.c.in_flight = 0

@@ -19,7 +19,9 @@ def register(p: argparse.ArgumentParser) -> None:
     add_layout_args(p)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text (needs a tokenizer in the checkpoint)")
-    g.add_argument("--prompt-ids", help="comma-separated token ids, or @FILE to read them from a file")
+    g.add_argument(
+        "--prompt-ids", help="comma-separated token ids, or @FILE to read them from a file"
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -36,12 +38,14 @@ def parse_ids(spec: str) -> list[int]:
     try:
         return [int(t) for t in text.replace("\n", ",").split(",") if t.strip()]
     except ValueError:
-        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text[:60]!r}") from None
+        raise ValueError(
+            f"--prompt-ids must be comma-separated integers, got {text[:60]!r}"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
-    from dist_glm5.sampling.params import SamplingParams
     from dist_glm5.checkpoint.tokenizer import load_tokenizer
+    from dist_glm5.sampling.params import SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -53,8 +57,15 @@ def run(args: argparse.Namespace) -> int:
         ids = tok.encode(args.prompt)
     else:
         ids = parse_ids(args.prompt_ids)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
     t0 = time.perf_counter()
     engine = build_engine(engine_config(args, d))
     t1 = time.perf_counter()
@@ -68,14 +79,22 @@ def run(args: argparse.Namespace) -> int:
     text = tok.decode(seq.output) if tok is not None else None
     log.info("start %.2fs, generate %.2fs", t1 - t0, t2 - t1)
     if args.json:
-        out = {"model": str(d), "token_ids": seq.output, "text": text, "finish_reason": seq.finish_reason,
-               "usage": {"prompt_tokens": len(ids), "completion_tokens": len(seq.output)},
-               "layout": {"stages": args.stages, "tp": args.tp, "ep": args.ep, "mtp": args.mtp},
-               "timing_s": {"start": round(t1 - t0, 3), "generate": round(t2 - t1, 3)}}
+        out = {
+            "model": str(d),
+            "token_ids": seq.output,
+            "text": text,
+            "finish_reason": seq.finish_reason,
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(seq.output)},
+            "layout": {"stages": args.stages, "tp": args.tp, "ep": args.ep, "mtp": args.mtp},
+            "timing_s": {"start": round(t1 - t0, 3), "generate": round(t2 - t1, 3)},
+        }
         if args.mtp:
-            out["mtp"] = {"drafts": engine.stats.drafts_proposed, "accepted": engine.stats.drafts_accepted,
-                          "acceptance": engine.stats.acceptance,
-                          "decode_tokens_per_step": (len(seq.output) - 1) / max(seq.steps - 1, 1)}
+            out["mtp"] = {
+                "drafts": engine.stats.drafts_proposed,
+                "accepted": engine.stats.drafts_accepted,
+                "acceptance": engine.stats.acceptance,
+                "decode_tokens_per_step": (len(seq.output) - 1) / max(seq.steps - 1, 1),
+            }
         print(json.dumps(out))
     else:
         print(text if text is not None else ",".join(map(str, seq.output)))

@@ -20,8 +20,19 @@ from .engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
 
-SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "logit_bias", "min_tokens",
-                 "bad_words", "ignore_eos"}
+SAMPLING_KEYS = {
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "logit_bias",
+    "min_tokens",
+    "bad_words",
+    "ignore_eos",
+}
 COMMON_KEYS = {"model", "max_tokens", "stream", "stream_options", "n", "user"} | SAMPLING_KEYS
 COMPLETION_KEYS = COMMON_KEYS | {"prompt", "logprobs", "prompt_logprobs", "echo"}
 CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
@@ -34,13 +45,22 @@ class RequestError(Exception):
 
 
 def simple_chat_template(messages: list[dict]) -> str:
-    """The embedded model's template (its tokenizer has none): role tags and an open assistant turn."""
+    """The embedded model's template (its tokenizer has none): role tags and an open assistant
+    turn."""
     return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
 
 
 class App:
-    def __init__(self, loop: EngineLoop, tokenizer, model_name: str, max_model_len: int, chat_template: str | None,
-                 api_key: str | None, stage_names: list[str]):
+    def __init__(
+        self,
+        loop: EngineLoop,
+        tokenizer,
+        model_name: str,
+        max_model_len: int,
+        chat_template: str | None,
+        api_key: str | None,
+        stage_names: list[str],
+    ):
         self.loop, self.tok, self.model_name = loop, tokenizer, model_name
         self.max_model_len, self.api_key = max_model_len, api_key
         self.chat_template = chat_template
@@ -53,11 +73,17 @@ class App:
         if unknown:
             raise RequestError(400, f"unrecognized request argument supplied: {', '.join(unknown)}")
         if body.get("model") not in (None, self.model_name):
-            raise RequestError(404, f"the model {body['model']!r} does not exist; this server serves {self.model_name!r}",
-                               "model_not_found")
+            raise RequestError(
+                404,
+                f"the model {body['model']!r} does not exist; this server serves "
+                f"{self.model_name!r}",
+                "model_not_found",
+            )
         if body.get("n", 1) != 1:
             raise RequestError(400, "n must be 1")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16 if not chat else 256))
+        max_tokens = body.get(
+            "max_completion_tokens", body.get("max_tokens", 16 if not chat else 256)
+        )
         if max_tokens is None:
             max_tokens = 256
         if not isinstance(max_tokens, int) or max_tokens < 0:
@@ -68,13 +94,22 @@ class App:
             lp = body.get("top_logprobs", 0) if body.get("logprobs") else None
         else:
             lp = body.get("logprobs")
-        kw = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ignore_eos")
-              if body.get(k) is not None}
+        kw = {
+            k: body[k]
+            for k in ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ignore_eos")
+            if body.get(k) is not None
+        }
         try:
-            p = SamplingParams(max_tokens=max_tokens, stop=stop, stop_token_ids=tuple(body.get("stop_token_ids") or ()),
-                               logit_bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()},
-                               bad_words=tuple(self._bad_words(body.get("bad_words") or ())), logprobs=lp,
-                               prompt_logprobs=body.get("prompt_logprobs"), **kw)
+            p = SamplingParams(
+                max_tokens=max_tokens,
+                stop=stop,
+                stop_token_ids=tuple(body.get("stop_token_ids") or ()),
+                logit_bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()},
+                bad_words=tuple(self._bad_words(body.get("bad_words") or ())),
+                logprobs=lp,
+                prompt_logprobs=body.get("prompt_logprobs"),
+                **kw,
+            )
         except (ValueError, TypeError) as e:
             raise RequestError(400, str(e)) from None
         return p, body
@@ -83,7 +118,9 @@ class App:
         for w in words:
             if isinstance(w, str):
                 if self.tok is None:
-                    raise RequestError(400, "bad_words as text need a tokenizer; give token id lists")
+                    raise RequestError(
+                        400, "bad_words as text need a tokenizer; give token id lists"
+                    )
                 yield self.tok.encode(w)
             else:
                 yield list(w)
@@ -91,14 +128,24 @@ class App:
     def prompt_ids(self, body: dict, chat: bool) -> list[int]:
         if chat:
             msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
-                raise RequestError(400, "messages must be a non-empty list of {role, content} objects")
+            if (
+                not isinstance(msgs, list)
+                or not msgs
+                or not all(isinstance(m, dict) and "role" in m for m in msgs)
+            ):
+                raise RequestError(
+                    400, "messages must be a non-empty list of {role, content} objects"
+                )
             if self.tok is None:
-                raise RequestError(400, "this model has no tokenizer: use /v1/completions with token ids")
+                raise RequestError(
+                    400, "this model has no tokenizer: use /v1/completions with token ids"
+                )
             if self.chat_template:
                 from jinja2 import Template
 
-                text = Template(self.chat_template).render(messages=msgs, add_generation_prompt=True)
+                text = Template(self.chat_template).render(
+                    messages=msgs, add_generation_prompt=True
+                )
             else:
                 text = simple_chat_template(msgs)
             return self.tok.encode(text)
@@ -107,7 +154,9 @@ class App:
             prompt = prompt[0]
         if isinstance(prompt, str):
             if self.tok is None:
-                raise RequestError(400, "this model has no tokenizer: give the prompt as a list of token ids")
+                raise RequestError(
+                    400, "this model has no tokenizer: give the prompt as a list of token ids"
+                )
             return self.tok.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return prompt
@@ -115,21 +164,29 @@ class App:
 
     def check_len(self, ids: list[int], p: SamplingParams) -> None:
         if len(ids) + p.max_tokens > self.max_model_len:
-            raise RequestError(400, f"prompt of {len(ids)} tokens plus max_tokens={p.max_tokens} exceeds the planned "
-                                    f"context of {self.max_model_len} tokens")
+            raise RequestError(
+                400,
+                f"prompt of {len(ids)} tokens plus max_tokens={p.max_tokens} exceeds the planned "
+                f"context of {self.max_model_len} tokens",
+            )
 
     # ---- metrics ------------------------------------------------------------------------
     def metrics(self) -> str:
         m, st = self.loop.metrics, self.loop.c.stats
         lines = [
-            "# TYPE dist_glm5_requests_total counter", f"dist_glm5_requests_total {m['requests']}",
-            "# TYPE dist_glm5_requests_failed_total counter", f"dist_glm5_requests_failed_total {m['requests_failed']}",
-            "# TYPE dist_glm5_prompt_tokens_total counter", f"dist_glm5_prompt_tokens_total {m['prompt_tokens']}",
-            "# TYPE dist_glm5_completion_tokens_total counter", f"dist_glm5_completion_tokens_total {m['completion_tokens']}",
+            "# TYPE dist_glm5_requests_total counter",
+            f"dist_glm5_requests_total {m['requests']}",
+            "# TYPE dist_glm5_requests_failed_total counter",
+            f"dist_glm5_requests_failed_total {m['requests_failed']}",
+            "# TYPE dist_glm5_prompt_tokens_total counter",
+            f"dist_glm5_prompt_tokens_total {m['prompt_tokens']}",
+            "# TYPE dist_glm5_completion_tokens_total counter",
+            f"dist_glm5_completion_tokens_total {m['completion_tokens']}",
             "# TYPE dist_glm5_time_to_first_token_seconds summary",
             f"dist_glm5_time_to_first_token_seconds_sum {m['ttft_sum']:.6f}",
             f"dist_glm5_time_to_first_token_seconds_count {m['ttft_count']}",
-            "# TYPE dist_glm5_steps_total counter", f"dist_glm5_steps_total {st.steps}",
+            "# TYPE dist_glm5_steps_total counter",
+            f"dist_glm5_steps_total {st.steps}",
             "# TYPE dist_glm5_stage_busy_seconds_total counter",
         ]
         busy: dict[int, float] = {}
@@ -139,8 +196,12 @@ class App:
             busy[t.stage] = busy.get(t.stage, 0.0) + t.busy_s
         for stage, v in sorted(busy.items()):
             lines.append(f'dist_glm5_stage_busy_seconds_total{{stage="{stage}"}} {v:.6f}')
-        lines += ["# TYPE dist_glm5_mtp_drafts_total counter", f"dist_glm5_mtp_drafts_total {st.drafts_proposed}",
-                  "# TYPE dist_glm5_mtp_accepted_total counter", f"dist_glm5_mtp_accepted_total {st.drafts_accepted}"]
+        lines += [
+            "# TYPE dist_glm5_mtp_drafts_total counter",
+            f"dist_glm5_mtp_drafts_total {st.drafts_proposed}",
+            "# TYPE dist_glm5_mtp_accepted_total counter",
+            f"dist_glm5_mtp_accepted_total {st.drafts_accepted}",
+        ]
         return "\n".join(lines) + "\n"
 
 
@@ -160,8 +221,17 @@ def make_handler(app: App):
             self.wfile.write(raw)
 
         def _error(self, e: RequestError) -> None:
-            self._json(e.status, {"error": {"message": str(e), "type": "invalid_request_error" if e.status < 500
-                                            else "server_error", "code": e.code, "param": None}})
+            self._json(
+                e.status,
+                {
+                    "error": {
+                        "message": str(e),
+                        "type": "invalid_request_error" if e.status < 500 else "server_error",
+                        "code": e.code,
+                        "param": None,
+                    }
+                },
+            )
 
         def _auth(self) -> bool:
             if app.api_key and self.headers.get("Authorization") != f"Bearer {app.api_key}":
@@ -182,9 +252,21 @@ def make_handler(app: App):
                 self.end_headers()
                 return self.wfile.write(raw)
             if self.path == "/v1/models":
-                return self._json(200, {"object": "list", "data": [
-                    {"id": app.model_name, "object": "model", "created": int(app.started), "owned_by": "dist-glm5",
-                     "max_model_len": app.max_model_len}]})
+                return self._json(
+                    200,
+                    {
+                        "object": "list",
+                        "data": [
+                            {
+                                "id": app.model_name,
+                                "object": "model",
+                                "created": int(app.started),
+                                "owned_by": "dist-glm5",
+                                "max_model_len": app.max_model_len,
+                            }
+                        ],
+                    },
+                )
             self._error(RequestError(404, f"no route {self.path}", "not_found"))
 
         def do_POST(self):
@@ -214,18 +296,35 @@ def make_handler(app: App):
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
             created = int(time.time())
             stream = bool(body.get("stream"))
-            hold = max((len(s) for s in params.stop), default=1) - 1  # text that may still become a stop string
+            hold = (
+                max((len(s) for s in params.stop), default=1) - 1
+            )  # text that may still become a stop string
             tokens: list[int] = []
             sent_text = ""
             obj = "chat.completion.chunk" if chat else "text_completion"
 
             def chunk(text=None, finish=None, role=False):
                 if chat:
-                    delta = {"role": "assistant"} if role else ({} if text is None else {"content": text})
+                    delta = (
+                        {"role": "assistant"}
+                        if role
+                        else ({} if text is None else {"content": text})
+                    )
                     choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
                 else:
-                    choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-                return {"id": rid, "object": obj, "created": created, "model": app.model_name, "choices": [choice]}
+                    choice = {
+                        "index": 0,
+                        "text": text or "",
+                        "finish_reason": finish,
+                        "logprobs": None,
+                    }
+                return {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": app.model_name,
+                    "choices": [choice],
+                }
 
             first = True
             while True:
@@ -248,17 +347,25 @@ def make_handler(app: App):
                         if chat:
                             self._sse(chunk(role=True))
                         first = False
-                    # hold back a possible stop string, and a trailing partial character (a byte-level
-                    # tokenizer decodes an unfinished UTF-8 sequence as U+FFFD until its last byte arrives)
+                    # hold back a possible stop string, and a trailing partial character (a
+                    # byte-level tokenizer decodes an unfinished UTF-8 sequence as U+FFFD until its
+                    # last byte arrives)
                     stable = len(text.rstrip("\ufffd"))
-                    upto = len(text) if kind == "done" else max(len(sent_text), min(stable, len(text) - hold))
-                    if text[len(sent_text):upto] and text.startswith(sent_text):
-                        self._sse(chunk(text[len(sent_text):upto]))
+                    upto = (
+                        len(text)
+                        if kind == "done"
+                        else max(len(sent_text), min(stable, len(text) - hold))
+                    )
+                    if text[len(sent_text) : upto] and text.startswith(sent_text):
+                        self._sse(chunk(text[len(sent_text) : upto]))
                         sent_text = text[:upto]
                 if kind == "done":
                     break
-            usage = {"prompt_tokens": len(ids), "completion_tokens": len(seq.output),
-                     "total_tokens": len(ids) + len(seq.output)}
+            usage = {
+                "prompt_tokens": len(ids),
+                "completion_tokens": len(seq.output),
+                "total_tokens": len(ids) + len(seq.output),
+            }
             finish = seq.finish_reason
             if stream:
                 end = chunk(finish=finish)
@@ -271,13 +378,31 @@ def make_handler(app: App):
             if params.logprobs is not None:
                 toks = [app.tok.decode([t]) if app.tok else str(t) for t in seq.output]
                 if chat:
-                    lp = {"content": [{"token": toks[i], "logprob": x["logprob"],
-                                       "top_logprobs": [{"token": app.tok.decode([t]) if app.tok else str(t), "logprob": v}
-                                                        for t, v in x["top"]]} for i, x in enumerate(seq.logprobs)]}
+                    lp = {
+                        "content": [
+                            {
+                                "token": toks[i],
+                                "logprob": x["logprob"],
+                                "top_logprobs": [
+                                    {
+                                        "token": app.tok.decode([t]) if app.tok else str(t),
+                                        "logprob": v,
+                                    }
+                                    for t, v in x["top"]
+                                ],
+                            }
+                            for i, x in enumerate(seq.logprobs)
+                        ]
+                    }
                 else:
-                    lp = {"tokens": toks, "token_logprobs": [x["logprob"] for x in seq.logprobs],
-                          "top_logprobs": [{(app.tok.decode([t]) if app.tok else str(t)): v for t, v in x["top"]}
-                                           for x in seq.logprobs]}
+                    lp = {
+                        "tokens": toks,
+                        "token_logprobs": [x["logprob"] for x in seq.logprobs],
+                        "top_logprobs": [
+                            {(app.tok.decode([t]) if app.tok else str(t)): v for t, v in x["top"]}
+                            for x in seq.logprobs
+                        ],
+                    }
             choice = {"index": 0, "finish_reason": finish, "logprobs": lp}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -286,8 +411,17 @@ def make_handler(app: App):
                 choice["token_ids"] = seq.output
                 if params.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = [None] + seq.prompt_logprobs
-            self._json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                             "model": app.model_name, "choices": [choice], "usage": usage})
+            self._json(
+                200,
+                {
+                    "id": rid,
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": created,
+                    "model": app.model_name,
+                    "choices": [choice],
+                    "usage": usage,
+                },
+            )
 
         def _sse_start(self):
             self.send_response(200)

@@ -2,7 +2,7 @@
 
 Runs a workload (batch x prompt length, then decode steps, MTP on or off) with the profiler on in
 every worker, then prints per stage, e.g.
-    stage 0: 12.3 ms decode step = experts 4.1 (slowest rank; mean 3.9) + attention 2.0 + indexer 1.1 + ...
+    stage 0: 12.3 ms decode step = experts 4.1 (slowest rank; mean 3.9) + attention 2.0 + ...
 With --output DIR it writes trace.json (Chrome/Perfetto trace events), anatomy.json and a PNG
 timeline per stage (timeline-stage-S.png).
 """
@@ -12,21 +12,26 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import struct
-import zlib
 from pathlib import Path
 
-from dist_glm5.obs.profiler import exclusive_times
-
 from dist_glm5.model.dsa_config import DSAConfig
+from dist_glm5.obs.profiler import exclusive_times
 
 from .engine_args import add_layout_args, build_engine, engine_config, model_dir
 
 log = logging.getLogger(__name__)
-PARTS = ["experts", "attention", "indexer", "moe_outside", "mlp", "all_reduce", "transfer", "sampler", "host", "bubble"]
-COLORS = {"experts": (214, 39, 40), "attention": (31, 119, 180), "indexer": (255, 127, 14), "router": (148, 103, 189),
-          "shared": (140, 86, 75), "moe": (227, 119, 194), "mlp": (127, 127, 127), "all_reduce": (188, 189, 34),
-          "transfer": (23, 190, 207), "sampler": (44, 160, 44), "step": (220, 220, 220), "recv_wait": (255, 255, 255)}
+PARTS = [
+    "experts",
+    "attention",
+    "indexer",
+    "moe_outside",
+    "mlp",
+    "all_reduce",
+    "transfer",
+    "sampler",
+    "host",
+    "bubble",
+]
 
 
 def register(p: argparse.ArgumentParser) -> None:
@@ -36,13 +41,19 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=int, default=12)
     p.add_argument("--sparse", action="store_true", help="sparse DSA path")
     p.add_argument("--output", help="directory for trace.json, anatomy.json and timeline PNGs")
-    p.add_argument("--bandwidth-gbs", type=float, default=20.0,
-                   help="memory bandwidth per worker for the roofline bound (GB/s; default: a CPU core's share)")
+    p.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        default=20.0,
+        help="memory bandwidth per worker for the roofline bound "
+        "(GB/s; default: a CPU core's share)",
+    )
     p.set_defaults(func=run)
 
 
 def anatomy(events_by: dict[tuple[int, int, int], list], kinds: dict[int, str], kind: str) -> dict:
-    """Mean exclusive ms per part per stage over steps of `kind`; experts also per rank (slowest, mean)."""
+    """Mean exclusive ms per part per stage over steps of `kind`; experts also per rank (slowest,
+    mean)."""
     stages = sorted({s for _, s, _ in events_by})
     out = {}
     for s in stages:
@@ -54,18 +65,33 @@ def anatomy(events_by: dict[tuple[int, int, int], list], kinds: dict[int, str], 
         for st in steps:
             ex = {r: exclusive_times(events_by.get((st, s, r), [])) for r in ranks}
             e0 = ex[ranks[0]]
-            step_ms = 1e3 * sum(d for n, _, d, dep in events_by.get((st, s, ranks[0]), []) if n == "step" and dep == 0)
+            step_ms = 1e3 * sum(
+                d
+                for n, _, d, dep in events_by.get((st, s, ranks[0]), [])
+                if n == "step" and dep == 0
+            )
             acc["step"] += step_ms
-            parts = {"experts": e0.get("experts", 0), "attention": e0.get("attention", 0), "indexer": e0.get("indexer", 0),
-                     "moe_outside": e0.get("router", 0) + e0.get("shared", 0) + e0.get("moe", 0),
-                     "mlp": e0.get("mlp", 0), "all_reduce": e0.get("all_reduce", 0), "transfer": e0.get("transfer", 0),
-                     "sampler": e0.get("sampler", 0), "host": e0.get("step", 0), "bubble": e0.get("recv_wait", 0)}
+            parts = {
+                "experts": e0.get("experts", 0),
+                "attention": e0.get("attention", 0),
+                "indexer": e0.get("indexer", 0),
+                "moe_outside": e0.get("router", 0) + e0.get("shared", 0) + e0.get("moe", 0),
+                "mlp": e0.get("mlp", 0),
+                "all_reduce": e0.get("all_reduce", 0),
+                "transfer": e0.get("transfer", 0),
+                "sampler": e0.get("sampler", 0),
+                "host": e0.get("step", 0),
+                "bubble": e0.get("recv_wait", 0),
+            }
             for k, v in parts.items():
                 acc[k] += 1e3 * v
             per_rank = [1e3 * ex[r].get("experts", 0) for r in ranks]
             acc["experts_slowest"] += max(per_rank)
             acc["experts_mean"] += sum(per_rank) / len(per_rank)
-        out[s] = {k: v / len(steps) for k, v in acc.items()} | {"steps": len(steps), "ranks": len(ranks)}
+        out[s] = {k: v / len(steps) for k, v in acc.items()} | {
+            "steps": len(steps),
+            "ranks": len(ranks),
+        }
     return out
 
 
@@ -83,63 +109,57 @@ def chrome_trace(events_by: dict, kinds: dict) -> dict:
     out = []
     for (step, stage, rank), evs in events_by.items():
         for name, start, dur, depth in evs:
-            out.append({"name": name, "cat": kinds.get(step, "step"), "ph": "X", "ts": (start - t0) * 1e6,
-                        "dur": dur * 1e6, "pid": stage, "tid": rank, "args": {"step": step, "depth": depth}})
-    meta = [{"name": "process_name", "ph": "M", "pid": s, "args": {"name": f"stage {s}"}}
-            for s in sorted({k[1] for k in events_by})]
+            out.append(
+                {
+                    "name": name,
+                    "cat": kinds.get(step, "step"),
+                    "ph": "X",
+                    "ts": (start - t0) * 1e6,
+                    "dur": dur * 1e6,
+                    "pid": stage,
+                    "tid": rank,
+                    "args": {"step": step, "depth": depth},
+                }
+            )
+    meta = [
+        {"name": "process_name", "ph": "M", "pid": s, "args": {"name": f"stage {s}"}}
+        for s in sorted({k[1] for k in events_by})
+    ]
     return {"traceEvents": meta + sorted(out, key=lambda e: e["ts"]), "displayTimeUnit": "ms"}
 
 
-def png(path: Path, width: int, height: int, pixels: bytearray) -> None:
-    """A minimal RGB PNG writer (no imaging library needed)."""
-    raw = b"".join(b"\x00" + bytes(pixels[y * width * 3:(y + 1) * width * 3]) for y in range(height))
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-                     + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
-
-
-def timeline(path: Path, events_by: dict, stage: int, steps: list[int]) -> None:
-    """One row band per rank, spans drawn by depth; x = time over the chosen steps."""
-    evs = [(r, e) for (st, s, r), es in events_by.items() if s == stage and st in steps for e in es]
-    if not evs:
-        return
-    t0 = min(e[1] for _, e in evs)
-    t1 = max(e[1] + e[2] for _, e in evs)
-    ranks = sorted({r for r, _ in evs})
-    W, band = 1200, 48
-    H = band * len(ranks) + 8
-    px = bytearray([255] * (W * H * 3))
-    for r, (name, start, dur, depth) in sorted(evs, key=lambda x: x[1][3]):
-        x0 = int((start - t0) / (t1 - t0) * (W - 1))
-        x1 = max(x0 + 1, int((start + dur - t0) / (t1 - t0) * (W - 1)))
-        y0 = 4 + ranks.index(r) * band + min(depth, 5) * 7
-        color = COLORS.get(name, (100, 100, 100))
-        for y in range(y0, min(y0 + band - min(depth, 5) * 7 - 4, H)):
-            row = y * W * 3
-            px[row + 3 * x0: row + 3 * x1] = bytes(color) * (x1 - x0)
-    png(path, W, H, px)
-
-
 def roofline_fraction(d, args, decode: dict) -> dict:
-    """Measured decode step time against the bandwidth bound for the same model and workload (bench/roofline.py)."""
+    """Measured decode step time against the bandwidth bound for the same model and workload
+    (bench/roofline.py)."""
     from dist_glm5.bench.roofline import HBM, decode_bytes
     from dist_glm5.model.config import ModelConfig
 
     cfg = ModelConfig.from_hf(d)
     wb = 4 if cfg.torch_dtype == "float32" else 2
     hw = HBM("this machine", args.bandwidth_gbs * 1e9, max(args.tp, args.ep))
-    rows = decode_bytes(cfg, args.stages, args.ctx + args.decode_steps // 2, args.batch, 2 if args.mtp else 1, hw,
-                        expert_bytes=0.53125 if cfg.experts_format == "mxfp4" else wb, weight_bytes=wb,
-                        idx_bytes=cfg.index_head_dim * wb, mla_bytes=cfg.kv_cache_dim * wb)
+    rows = decode_bytes(
+        cfg,
+        args.stages,
+        args.ctx + args.decode_steps // 2,
+        args.batch,
+        2 if args.mtp else 1,
+        hw,
+        expert_bytes=0.53125 if cfg.experts_format == "mxfp4" else wb,
+        weight_bytes=wb,
+        idx_bytes=cfg.index_head_dim * wb,
+        mla_bytes=cfg.kv_cache_dim * wb,
+    )
     out = {}
     for r in rows:
         if str(r.stage) in decode or r.stage in decode:
             m = (decode.get(r.stage) or decode.get(str(r.stage)))["step"]
             bound = 1e3 * r.total / hw.bandwidth
-            out[r.stage] = {"measured_ms": m, "bound_ms": bound, "bytes": r.total, "fraction": m / bound}
+            out[r.stage] = {
+                "measured_ms": m,
+                "bound_ms": bound,
+                "bytes": r.total,
+                "fraction": m / bound,
+            }
     return out
 
 
@@ -149,33 +169,65 @@ def run(args: argparse.Namespace) -> int:
     from dist_glm5.sampling.params import SamplingParams
 
     d = model_dir(args)
-    engine = build_engine(engine_config(
-        args, d, dsa=DSAConfig(mode="sparse") if args.sparse else None, profile=True))
+    engine = build_engine(
+        engine_config(args, d, dsa=DSAConfig(mode="sparse") if args.sparse else None, profile=True)
+    )
     try:
         g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, 256, (args.ctx,), generator=g).tolist() for _ in range(args.batch)]
+        prompts = [
+            torch.randint(0, 256, (args.ctx,), generator=g).tolist() for _ in range(args.batch)
+        ]
         engine.run(prompts, SamplingParams(max_tokens=args.decode_steps + 1, ignore_eos=True))
     finally:
         engine.close()
     events_by = engine.step_events
     kinds = engine.scheduler.kinds
-    result = {"workload": {"ctx": args.ctx, "batch": args.batch, "decode_steps": args.decode_steps, "mtp": args.mtp,
-                           "stages": args.stages, "tp": args.tp, "ep": args.ep},
-              "decode": anatomy(events_by, kinds, "decode"), "prefill": anatomy(events_by, kinds, "prefill")}
+    result = {
+        "workload": {
+            "ctx": args.ctx,
+            "batch": args.batch,
+            "decode_steps": args.decode_steps,
+            "mtp": args.mtp,
+            "stages": args.stages,
+            "tp": args.tp,
+            "ep": args.ep,
+        },
+        "decode": anatomy(events_by, kinds, "decode"),
+        "prefill": anatomy(events_by, kinds, "prefill"),
+    }
     for kind in ("decode", "prefill"):
         for line in describe(result[kind], kind):
             print(line)
     result["roofline"] = roofline_fraction(d, args, result["decode"])
     for s, r in result["roofline"].items():
-        print(f"stage {s}: decode step {r['measured_ms']:.2f} ms = {r['fraction']:.1f}x the roofline bound "
-              f"{r['bound_ms']:.3f} ms ({r['bytes'] / 1e6:.1f} MB per step at {args.bandwidth_gbs:g} GB/s; computed)")
+        print(
+            f"stage {s}: decode step {r['measured_ms']:.2f} ms = {r['fraction']:.1f}x the "
+            f"roofline bound {r['bound_ms']:.3f} ms ({r['bytes'] / 1e6:.1f} MB per step at "
+            f"{args.bandwidth_gbs:g} GB/s; computed)"
+        )
     if args.output:
+        from .timeline_plot import plot_timeline  # matplotlib: imported only when drawing
+
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
         (out / "trace.json").write_text(json.dumps(chrome_trace(events_by, kinds)))
         (out / "anatomy.json").write_text(json.dumps(result, indent=1))
         decode_steps = sorted(st for st, k in kinds.items() if k == "decode")[-3:]
+        layout = f"{args.stages} stage{'s' * (args.stages > 1)} x TP {args.tp} x EP {args.ep}"
         for s in sorted({k[1] for k in events_by}):
-            timeline(out / f"timeline-stage-{s}.png", events_by, s, decode_steps)
-        print(f"wrote {out}/trace.json (open in chrome://tracing or ui.perfetto.dev), anatomy.json, timeline-stage-*.png")
+            spans: dict[tuple[int, int], list] = {}
+            for (st, ss, r), evs in sorted(events_by.items()):
+                if ss == s and st in decode_steps:
+                    spans.setdefault((s, r), []).extend(evs)
+            plot_timeline(
+                out / f"timeline-stage-{s}.png",
+                spans,
+                f"{layout}, stage {s}: batch {args.batch}, context {args.ctx}, last "
+                f"{len(decode_steps)} of {args.decode_steps} decode steps"
+                f"{', MTP' if args.mtp else ''}",
+            )
+        print(
+            f"wrote {out}/trace.json (open in chrome://tracing or ui.perfetto.dev), "
+            "anatomy.json, timeline-stage-*.png"
+        )
     return 0

@@ -27,7 +27,9 @@ HW = {"hpu": dict(name="gaudi2", memory_per_card=96 * 10**9, cards_per_node=8, b
 def parse_ctx(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", str(text))
     if not m:
-        raise argparse.ArgumentTypeError(f"context {text!r}: give tokens (131072) or thousands (128k, 637k)")
+        raise argparse.ArgumentTypeError(
+            f"context {text!r}: give tokens (131072) or thousands (128k, 637k)"
+        )
     n = int(m.group(1)) * (1024 if m.group(2) else 1)
     if n <= 0:
         raise argparse.ArgumentTypeError(f"context {text!r} must be positive")
@@ -37,15 +39,34 @@ def parse_ctx(text: str) -> int:
 def register(p: argparse.ArgumentParser, nodes: int, default_ctx: str) -> None:
     add_layout_args(p)
     p.set_defaults(stages=nodes)
-    p.add_argument("--ctx", type=parse_ctx, default=parse_ctx(default_ctx), help=f"context length (default {default_ctx})")
+    p.add_argument(
+        "--ctx",
+        type=parse_ctx,
+        default=parse_ctx(default_ctx),
+        help=f"context length (default {default_ctx})",
+    )
     p.add_argument("--backend", choices=["cpu", "hpu"], default="cpu")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("DIST_GLM5_API_KEY"), help="require this bearer token")
-    p.add_argument("--dry-run", action="store_true", help="print the memory plan and exit (needs only config.json)")
-    p.add_argument("--weights-format", choices=["mxfp4", "fp8", "bf16"], help="default: from quantization_config")
+    p.add_argument(
+        "--api-key", default=os.environ.get("DIST_GLM5_API_KEY"), help="require this bearer token"
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the memory plan and exit (needs only config.json)",
+    )
+    p.add_argument(
+        "--weights-format",
+        choices=["mxfp4", "fp8", "bf16"],
+        help="default: from quantization_config",
+    )
     p.add_argument("--cards-per-node", type=int, help="default: 8 on hpu, --tp on cpu")
-    p.add_argument("--memory-per-card-gb", type=float, help="default: 96 on hpu, this machine's memory on cpu")
-    p.add_argument("--served-model-name", help="the model id clients ask for (default: the directory name)")
+    p.add_argument(
+        "--memory-per-card-gb", type=float, help="default: 96 on hpu, this machine's memory on cpu"
+    )
+    p.add_argument(
+        "--served-model-name", help="the model id clients ask for (default: the directory name)"
+    )
     p.set_defaults(func=run)
 
 
@@ -56,8 +77,12 @@ def hardware(args: argparse.Namespace):
         hw = dict(HW["hpu"])
     else:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        hw = dict(name="cpu", memory_per_card=mem // max(1, args.stages * max(args.tp, args.ep)),
-                  cards_per_node=max(args.tp, args.ep), backend="cpu")
+        hw = dict(
+            name="cpu",
+            memory_per_card=mem // max(1, args.stages * max(args.tp, args.ep)),
+            cards_per_node=max(args.tp, args.ep),
+            backend="cpu",
+        )
     if args.cards_per_node:
         hw["cards_per_node"] = args.cards_per_node
     if args.memory_per_card_gb:
@@ -66,8 +91,8 @@ def hardware(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from dist_glm5.model.config import ModelConfig
     from dist_glm5.checkpoint.default_model import ensure_default_model
+    from dist_glm5.model.config import ModelConfig
     from dist_glm5.model.dsa import DSAConfig
     from dist_glm5.planning.cluster_fit import Layout, check, table, weights_format_of
 
@@ -88,14 +113,15 @@ def run(args: argparse.Namespace) -> int:
         from dist_glm5.backends import get_backend
 
         get_backend("hpu")  # says clearly what is missing on a machine without Gaudi
-        raise RuntimeError("serving on hpu needs the Gaudi MoE/attention kernels, which are not part of this build; "
-                           "use --backend cpu, or --dry-run to plan")
+        raise RuntimeError(
+            "serving on hpu needs the Gaudi MoE/attention kernels, which are not part of this "
+            "build; use --backend cpu, or --dry-run to plan"
+        )
     return serve(args, d, cfg)
 
 
 def serve(args: argparse.Namespace, d: Path, cfg) -> int:
     from dist_glm5.checkpoint.tokenizer import load_tokenizer
-
     from dist_glm5.model.dsa_config import DSAConfig
 
     from .engine_args import build_engine, engine_config
@@ -104,22 +130,47 @@ def serve(args: argparse.Namespace, d: Path, cfg) -> int:
 
     t0 = time.perf_counter()
     blocks = -(-(args.ctx + args.chunk_tokens) // args.block_size)  # one sequence of --ctx
-    engine = build_engine(engine_config(args, d, max_model_len=args.ctx, cache_blocks=blocks,
-                                        dsa=DSAConfig(mode="sparse")))
+    engine = build_engine(
+        engine_config(
+            args, d, max_model_len=args.ctx, cache_blocks=blocks, dsa=DSAConfig(mode="sparse")
+        )
+    )
     loop = EngineLoop(engine)
     tc = d / "tokenizer_config.json"
     template = json.loads(tc.read_text()).get("chat_template") if tc.exists() else None
-    app = App(loop, load_tokenizer(d), args.served_model_name or d.name, args.ctx, template, args.api_key,
-              [f"stage {s}" for s in range(args.stages)])
+    app = App(
+        loop,
+        load_tokenizer(d),
+        args.served_model_name or d.name,
+        args.ctx,
+        template,
+        args.api_key,
+        [f"stage {s}" for s in range(args.stages)],
+    )
     httpd = serve_http(app, args.host, args.port)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    log.warning("serving %s on http://%s:%d/v1 (%d stage(s), ready in %.1fs)", app.model_name, args.host,
-                httpd.server_address[1], args.stages, time.perf_counter() - t0)
-    print(json.dumps({"event": "ready", "url": f"http://{args.host}:{httpd.server_address[1]}/v1",
-                      "model": app.model_name, "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
+    log.warning(
+        "serving %s on http://%s:%d/v1 (%d stage(s), ready in %.1fs)",
+        app.model_name,
+        args.host,
+        httpd.server_address[1],
+        args.stages,
+        time.perf_counter() - t0,
+    )
+    print(
+        json.dumps(
+            {
+                "event": "ready",
+                "url": f"http://{args.host}:{httpd.server_address[1]}/v1",
+                "model": app.model_name,
+                "seconds": round(time.perf_counter() - t0, 2),
+            }
+        ),
+        flush=True,
+    )
     stop.wait()
     httpd.shutdown()
     loop.close()

@@ -14,13 +14,30 @@ import torch.distributed as dist
 
 
 class Comm:
-    def __init__(self, stage: int, rank: int, stages: int, ranks: int, init_method: str,
-                 backend: str = "gloo", timeout_s: float = 120.0):
+    def __init__(
+        self,
+        stage: int,
+        rank: int,
+        stages: int,
+        ranks: int,
+        init_method: str,
+        backend: str = "gloo",
+        timeout_s: float = 120.0,
+    ):
         self.stage, self.rank, self.stages, self.ranks = stage, rank, stages, ranks
         self.global_rank = stage * ranks + rank
-        dist.init_process_group(backend, init_method=init_method, rank=self.global_rank,
-                                world_size=stages * ranks, timeout=timedelta(seconds=timeout_s))
-        groups = [dist.new_group([s * ranks + r for r in range(ranks)]) for s in range(stages)] if ranks > 1 else []
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=self.global_rank,
+            world_size=stages * ranks,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        groups = (
+            [dist.new_group([s * ranks + r for r in range(ranks)]) for s in range(stages)]
+            if ranks > 1
+            else []
+        )
         self.group = groups[stage] if groups else None
         self.bytes_sent = 0
         self.send_seconds = 0.0
@@ -38,7 +55,7 @@ class Comm:
 
         per = -(-n // self.ranks)
         buf = torch.zeros(per, L, dtype=torch.bool)
-        buf[:local.shape[0]] = local
+        buf[: local.shape[0]] = local
         packed = pack_mask(buf)
         parts = [torch.empty_like(packed) for _ in range(self.ranks)]
         dist.all_gather(parts, packed, group=self.group)

@@ -1,8 +1,9 @@
-"""The coordinator: schedules micro-batches across the stages and collects what the last stage sampled.
+"""The coordinator: schedules micro-batches across the stages and collects what the last stage
+sampled.
 
 It sees messages and token ids, never modules: plans go out through a Pipeline (in-process for one
-stage and one rank, or Ray actors talking zmq + torch.distributed), results come back. MTP drafts are
-proposed and verified on the last stage; the coordinator only feeds each draft back as the next
+stage and one rank, or Ray actors talking zmq + torch.distributed), results come back. MTP drafts
+are proposed and verified on the last stage; the coordinator only feeds each draft back as the next
 step's [token, draft]. A stage failure fails the started requests with an error naming the stage and
 rank, then the pipeline is restarted so the next request is served.
 """
@@ -13,9 +14,7 @@ import itertools
 import logging
 import random
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
-from dist_glm5.stages.messages import StepPlan, StepResult
 from dist_glm5.sampling.params import SamplingParams, check_vocab
 
 from .engine_config import StageId
@@ -40,8 +39,15 @@ class Stats:
 
 
 class Coordinator:
-    def __init__(self, pipeline: Pipeline, sched: SchedulerConfig, eos: tuple[int, ...], vocab_size: int,
-                 tokenizer=None, step_timeout: float = 300.0):
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        sched: SchedulerConfig,
+        eos: tuple[int, ...],
+        vocab_size: int,
+        tokenizer=None,
+        step_timeout: float = 300.0,
+    ):
         self.pipeline, self.sched_cfg, self.eos, self.vocab = pipeline, sched, eos, vocab_size
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(sched, eos)
@@ -51,18 +57,26 @@ class Coordinator:
         self.in_flight = 0
         self.stats = Stats()
         self.finished: list[Sequence] = []
-        self.step_events: dict[tuple[int, int, int], list] = {}  # (step, stage, rank) -> profiler spans
+        self.step_events: dict[
+            tuple[int, int, int], list
+        ] = {}  # (step, stage, rank) -> profiler spans
 
     def add(self, prompt: list[int], params: SamplingParams) -> Sequence:
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
         bad = [t for t in prompt if not 0 <= t < self.vocab]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{self.vocab - 1}")
+            raise ValueError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary 0..{self.vocab - 1}"
+            )
         check_vocab(params, self.vocab)
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
-        if not params.greedy and params.seed is None:  # every rank of the last stage must draw the same numbers
+            raise ValueError(
+                "stop strings need a tokenizer; this model has none (use stop_token_ids)"
+            )
+        if (
+            not params.greedy and params.seed is None
+        ):  # every rank of the last stage must draw the same numbers
             params = replace(params, seed=random.getrandbits(63))
         seq = Sequence(next(self.ids), list(prompt), params)
         if params.max_tokens == 0:
@@ -133,8 +147,12 @@ class Coordinator:
         self.finished += failed
         return failed
 
-    def run(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-            arrivals: list[int] | None = None) -> list[Sequence]:
+    def run(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        arrivals: list[int] | None = None,
+    ) -> list[Sequence]:
         """Serve `prompts`; prompt i joins after `arrivals[i]` steps (continuous batching)."""
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         arrivals = arrivals or [0] * len(prompts)

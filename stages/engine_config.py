@@ -15,6 +15,7 @@ from dist_glm5.stages.scheduler import SchedulerConfig
 @dataclass(frozen=True, order=True)
 class StageId:
     """One worker of the pipeline: a stage and a rank inside it."""
+
     stage: int
     rank: int = 0
 
@@ -32,16 +33,21 @@ class Layout:
     """Pipeline stages (one per node) x ranks per stage. Attention heads, the dense MLP and the
     shared expert split over the `tp` ranks; routed experts split by expert (`ep` == `tp`) or along
     their intermediate dim (`ep` 1)."""
+
     stages: int = 1
     tp: int = 1
     ep: int = 1
 
     def __post_init__(self) -> None:
         if self.stages < 1 or self.tp < 1 or self.ep < 1:
-            raise ValueError(f"--stages {self.stages} --tp {self.tp} --ep {self.ep}: each must be >= 1")
+            raise ValueError(
+                f"--stages {self.stages} --tp {self.tp} --ep {self.ep}: each must be >= 1"
+            )
         if self.ep not in (1, self.tp):
-            raise ValueError(f"--ep {self.ep} with --tp {self.tp}: expert parallelism runs over the "
-                             f"tensor-parallel ranks of a stage; use --ep {self.tp} or --ep 1")
+            raise ValueError(
+                f"--ep {self.ep} with --tp {self.tp}: expert parallelism runs over the "
+                f"tensor-parallel ranks of a stage; use --ep {self.tp} or --ep 1"
+            )
 
     @property
     def ranks(self) -> int:
@@ -59,7 +65,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.blocks < 1 or self.block_size < 1:
-            raise ValueError(f"cache of {self.blocks} blocks of {self.block_size} tokens: both must be >= 1")
+            raise ValueError(
+                f"cache of {self.blocks} blocks of {self.block_size} tokens: both must be >= 1"
+            )
 
     @property
     def tokens(self) -> int:
@@ -85,7 +93,9 @@ class EngineConfig:
         if self.scheduler.mtp != self.mtp:  # one source of truth: the engine's flag
             object.__setattr__(self, "scheduler", replace(self.scheduler, mtp=self.mtp))
         if self.dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(f"dtype {self.dtype!r}: use float32 or bfloat16 (or none: the checkpoint's)")
+            raise ValueError(
+                f"dtype {self.dtype!r}: use float32 or bfloat16 (or none: the checkpoint's)"
+            )
 
     @property
     def in_process(self) -> bool:
@@ -95,7 +105,9 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class StageSpec:
-    """What one worker is told: the engine configuration, which worker it is, which layers it owns."""
+    """What one worker is told: the engine configuration, which worker it is, which layers it
+    owns."""
+
     engine: EngineConfig
     id: StageId = StageId(0, 0)
     layers: tuple[int, int] | None = None  # [start, stop); None: every layer (one stage)

@@ -1,4 +1,5 @@
-"""One stage, one rank, in this process: no Ray, no sockets (tests, `launch generate` on one worker)."""
+"""One stage, one rank, in this process: no Ray, no sockets (tests, `launch generate` on one
+worker)."""
 
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ _REGISTRY["SamplingParams"] = SamplingParams
 @message
 class SeqWork:
     """One sequence's share of a step: tokens at positions start.. to run through every stage."""
+
     seq_id: int
     start: int
     tokens: list[int]
@@ -38,7 +39,9 @@ class SeqWork:
     draft: int | None = None  # tokens[-1] is an MTP draft to verify (speculative decoding)
     params: SamplingParams | None = None  # sent with a sequence's first chunk; workers keep it
     prompt_logprobs_from: int | None = None  # prompt positions >= this get prompt logprobs
-    lookahead: int | None = None  # the prompt token after this (non-final prefill) chunk: MTP row input
+    lookahead: int | None = (
+        None  # the prompt token after this (non-final prefill) chunk: MTP row input
+    )
 
 
 @message
@@ -54,13 +57,16 @@ class SeqOutput:
     tokens: list[int]  # emitted this step: the sampled token, or accepted draft + bonus
     draft: int | None = None  # next MTP draft, if speculative decoding is on
     accepted: int | None = None  # drafts accepted this step (None: no draft was verified)
-    logprobs: list[dict] = field(default_factory=list)  # per emitted token: {"token", "logprob", "top": [[id, lp]..]}
+    logprobs: list[dict] = field(
+        default_factory=list
+    )  # per emitted token: {"token", "logprob", "top": [[id, lp]..]}
     prompt_logprobs: list[dict] = field(default_factory=list)
 
 
 @message
 class StageTime:
     """Seconds one worker was busy on a step (waiting for the previous stage excluded)."""
+
     stage: int
     rank: int
     seconds: float
@@ -72,12 +78,15 @@ class StepResult:
     outputs: list[SeqOutput]
     stage_times: list[StageTime] = field(default_factory=list)
     peak_rss_mb: float = 0.0  # the reporting worker's peak resident memory so far
-    events: list = field(default_factory=list)  # profiler spans [name, start s, duration s, depth] when profiling
+    events: list = field(
+        default_factory=list
+    )  # profiler spans [name, start s, duration s, depth] when profiling
 
 
 @message
 class StepTiming:
     """A non-sampling stage's time on one step (the last stage's rides in StepResult)."""
+
     step: int
     stage: int
     busy_s: float
@@ -91,6 +100,7 @@ class StepTiming:
 @message
 class Hello:
     """A worker is loaded and listening."""
+
     stage: int
     rank: int
     pid: int

@@ -10,7 +10,10 @@ from dist_glm5.stages.messages import StepPlan, StepResult
 
 class StageFailure(RuntimeError):
     def __init__(self, stage: int, rank: int, error: str):
-        super().__init__(f"stage {stage} rank {rank} failed: {error.strip().splitlines()[0] if error.strip() else error}")
+        super().__init__(
+            f"stage {stage} rank {rank} failed: "
+            f"{error.strip().splitlines()[0] if error.strip() else error}"
+        )
         self.stage, self.rank, self.detail = stage, rank, error
 
 

@@ -18,11 +18,20 @@ from dataclasses import replace
 import zmq
 
 from dist_glm5.model.config import ModelConfig
-from dist_glm5.stages.messages import Hello, Shutdown, StepPlan, StepResult, StepTiming, WorkerError, pack, unpack
 from dist_glm5.planning.partition import partition_layers
+from dist_glm5.stages.messages import (
+    Hello,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    StepTiming,
+    WorkerError,
+    pack,
+    unpack,
+)
 
-from .pipeline import StageFailure
 from .engine_config import EngineConfig, StageSpec
+from .pipeline import StageFailure
 from .worker import serve
 
 log = logging.getLogger(__name__)
@@ -49,7 +58,9 @@ def _actor_class():
 
 
 class RayPipeline:
-    def __init__(self, engine: EngineConfig, cpus_per_worker: float = 1.0, startup_timeout: float = 300.0):
+    def __init__(
+        self, engine: EngineConfig, cpus_per_worker: float = 1.0, startup_timeout: float = 300.0
+    ):
         import ray
 
         cfg = ModelConfig.from_hf(engine.model_dir)
@@ -58,18 +69,26 @@ class RayPipeline:
         self.stages, self.ranks = engine.layout.stages, engine.layout.ranks
         if engine.threads is None:  # one torch thread per worker unless told otherwise
             engine = replace(engine, threads=1)
-        self.specs = [StageSpec(engine, w, (self.ranges[w.stage].start, self.ranges[w.stage].stop))
-                      for w in engine.layout.workers]
+        self.specs = [
+            StageSpec(engine, w, (self.ranges[w.stage].start, self.ranges[w.stage].stop))
+            for w in engine.layout.workers
+        ]
         host, address = engine.host, engine.address
         self.host, self.cpus, self.startup_timeout = host, cpus_per_worker, startup_timeout
         if not ray.is_initialized():
             # "local": always a fresh cluster, never one a crashed run left behind
-            ray.init(address=address or "local", include_dashboard=False, log_to_driver=False,
-                     **({} if address else {"num_cpus": max(2, self.stages * self.ranks)}))
+            ray.init(
+                address=address or "local",
+                include_dashboard=False,
+                log_to_driver=False,
+                **({} if address else {"num_cpus": max(2, self.stages * self.ranks)}),
+            )
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished worker is an error, not a drop
+        self.sock.setsockopt(
+            zmq.ROUTER_MANDATORY, 1
+        )  # sending to a vanished worker is an error, not a drop
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.coord_addr = f"tcp://{host}:{port}"
         self.actors, self.refs, self.pg = [], [], None
@@ -85,7 +104,11 @@ class RayPipeline:
         nodes = [n for n in ray.nodes() if n["Alive"]]
         strategy = "STRICT_SPREAD" if len(nodes) >= self.stages and self.stages > 1 else "PACK"
         if self.stages > 1 and strategy == "PACK":
-            log.warning("the Ray cluster has %d node(s) for %d stages: stages share a node", len(nodes), self.stages)
+            log.warning(
+                "the Ray cluster has %d node(s) for %d stages: stages share a node",
+                len(nodes),
+                self.stages,
+            )
         bundles = [{"CPU": self.cpus * self.ranks} for _ in range(self.stages)]
         self.pg = placement_group(bundles, strategy=strategy)
         ray.get(self.pg.ready(), timeout=self.startup_timeout)
@@ -94,19 +117,32 @@ class RayPipeline:
             env["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo's pairs on loopback as well
         actor = _actor_class()
         dist_init = f"tcp://{self.host}:{free_port(self.host)}" if len(self.specs) > 1 else None
-        self.actors = [actor.options(num_cpus=self.cpus, runtime_env={"env_vars": env},
-                                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, spec.stage)).remote()
-                       for spec in self.specs]
+        self.actors = [
+            actor.options(
+                num_cpus=self.cpus,
+                runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, spec.stage),
+            ).remote()
+            for spec in self.specs
+        ]
         # where Ray put each stage (asked before run(), which occupies the actor until shutdown)
-        self.node_of_stage = {s.stage: n for s, n in zip(self.specs, ray.get([a.node_id.remote() for a in self.actors]))}
-        self.refs = [a.run.remote(spec, self.coord_addr, dist_init) for a, spec in zip(self.actors, self.specs)]
+        self.node_of_stage = {
+            s.stage: n
+            for s, n in zip(self.specs, ray.get([a.node_id.remote() for a in self.actors]))
+        }
+        self.refs = [
+            a.run.remote(spec, self.coord_addr, dist_init)
+            for a, spec in zip(self.actors, self.specs)
+        ]
         waiting = {(s.stage, s.rank) for s in self.specs}
         self.pids: dict[tuple[int, int], int] = {}
         deadline = time.monotonic() + self.startup_timeout
         while waiting:
             self._check_alive()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"workers {sorted(waiting)} did not start within {self.startup_timeout:.0f}s")
+                raise TimeoutError(
+                    f"workers {sorted(waiting)} did not start within {self.startup_timeout:.0f}s"
+                )
             if self.sock.poll(200):
                 _, raw = self.sock.recv_multipart()
                 msg = unpack(raw)
@@ -115,7 +151,12 @@ class RayPipeline:
                 if isinstance(msg, Hello):
                     waiting.discard((msg.stage, msg.rank))
                     self.pids[(msg.stage, msg.rank)] = msg.pid
-        log.info("pipeline up: %d stage(s) x %d rank(s) on nodes %s", self.stages, self.ranks, self.node_of_stage)
+        log.info(
+            "pipeline up: %d stage(s) x %d rank(s) on nodes %s",
+            self.stages,
+            self.ranks,
+            self.node_of_stage,
+        )
 
     def _check_alive(self) -> None:
         import ray
@@ -149,7 +190,9 @@ class RayPipeline:
                     ray.get(ref)
                 except RayActorError as e:
                     spec = self.specs[self.refs.index(ref)]
-                    return StageFailure(spec.stage, spec.rank, f"worker process died ({type(e).__name__})")
+                    return StageFailure(
+                        spec.stage, spec.rank, f"worker process died ({type(e).__name__})"
+                    )
                 except Exception:
                     pass
             if "gloo" not in msg.error and "Connection" not in msg.error:
@@ -218,7 +261,9 @@ def local_cluster(nodes: int, cpus_per_node: int = 4):
     """A Ray cluster of `nodes` nodes on this machine (how tests stand up 'two nodes')."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "include_dashboard": False}
+    )
     for _ in range(nodes - 1):
         cluster.add_node(num_cpus=cpus_per_node)
     cluster.wait_for_nodes()

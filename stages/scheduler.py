@@ -18,8 +18,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from dist_glm5.stages.messages import SeqOutput, SeqWork, StepPlan
 from dist_glm5.sampling.params import SamplingParams
+from dist_glm5.stages.messages import SeqOutput, SeqWork, StepPlan
 
 
 @dataclass
@@ -29,7 +29,9 @@ class Sequence:
     params: SamplingParams
     output: list[int] = field(default_factory=list)
     num_computed: int = 0
-    num_scheduled: int = 0  # positions handed to the pipeline (ahead of num_computed while chunks fly)
+    num_scheduled: int = (
+        0  # positions handed to the pipeline (ahead of num_computed while chunks fly)
+    )
     draft: int | None = None
     in_flight: int = 0  # chunks of this sequence in the pipeline
     params_sent: bool = False
@@ -72,7 +74,10 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         if len(seq.prompt) >= self.cfg.max_model_len:
-            raise ValueError(f"prompt of {len(seq.prompt)} tokens does not fit the context of {self.cfg.max_model_len}")
+            raise ValueError(
+                f"prompt of {len(seq.prompt)} tokens does not fit the context of "
+                f"{self.cfg.max_model_len}"
+            )
         self.by_id[seq.seq_id] = seq
         self.waiting.append(seq)
 
@@ -83,10 +88,16 @@ class Scheduler:
     def next_plan(self, step: int) -> StepPlan | None:
         while self.waiting and len(self.running) < self.cfg.max_seqs:
             self.running.append(self.waiting.popleft())
-        ready = [s for s in self.running if not s.finished and
-                 (s.num_scheduled < len(s.prompt) if s.prefilling else not s.in_flight)]
+        ready = [
+            s
+            for s in self.running
+            if not s.finished
+            and (s.num_scheduled < len(s.prompt) if s.prefilling else not s.in_flight)
+        ]
         if not ready:
-            if self.release:  # nothing to run, but caches to free: an empty plan carries the release
+            if (
+                self.release
+            ):  # nothing to run, but caches to free: an empty plan carries the release
                 plan, self.release = StepPlan(step, [], self.release), []
                 self.sent[step] = []
                 return plan
@@ -116,9 +127,15 @@ class Scheduler:
             a = s.num_scheduled
             b = min(len(s.prompt), a + min(self.cfg.chunk_tokens, budget))
             final = b == len(s.prompt)
-            return SeqWork(s.seq_id, a, s.prompt[a:b], sample=final, params=params,
-                           prompt_logprobs_from=1 if s.params.prompt_logprobs is not None else None,
-                           lookahead=None if final else s.prompt[b])
+            return SeqWork(
+                s.seq_id,
+                a,
+                s.prompt[a:b],
+                sample=final,
+                params=params,
+                prompt_logprobs_from=1 if s.params.prompt_logprobs is not None else None,
+                lookahead=None if final else s.prompt[b],
+            )
         toks = [s.output[-1]] + ([s.draft] if s.draft is not None else [])
         return SeqWork(s.seq_id, s.num_computed, toks, sample=True, draft=s.draft, params=params)
 
@@ -148,7 +165,11 @@ class Scheduler:
                     s.logprobs.append(o.logprobs[i])
                 if self._stops(s, t):
                     break
-            if s.finished or len(s.output) >= s.params.max_tokens or s.num_computed + 2 > self.cfg.max_model_len:
+            if (
+                s.finished
+                or len(s.output) >= s.params.max_tokens
+                or s.num_computed + 2 > self.cfg.max_model_len
+            ):
                 s.finish_reason = s.finish_reason or "length"
                 done.append(s)
         for s in done:
@@ -159,7 +180,9 @@ class Scheduler:
         p = s.params
         if len(s.output) >= p.max_tokens:
             s.finish_reason = "length"
-        elif t in p.stop_token_ids or (t in self.eos and not p.ignore_eos and len(s.output) > p.min_tokens - 1):
+        elif t in p.stop_token_ids or (
+            t in self.eos and not p.ignore_eos and len(s.output) > p.min_tokens - 1
+        ):
             s.finish_reason = "stop"
         return s.finished
 
@@ -174,7 +197,8 @@ class Scheduler:
         self.by_id.pop(s.seq_id, None)
 
     def fail_all_started(self, error: str) -> list[Sequence]:
-        """A stage failed: every started sequence is lost (caches are gone). Waiting ones stay queued."""
+        """A stage failed: every started sequence is lost (caches are gone). Waiting ones stay
+        queued."""
         failed = list(self.running)
         for s in failed:
             s.error = error

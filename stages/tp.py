@@ -14,8 +14,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dist_glm5.model.layer import DecoderLayer
 from dist_glm5.model.glm5 import Glm5Model
+from dist_glm5.model.layer import DecoderLayer
 from dist_glm5.model.moe import MLP, MoE, MXFP4Experts
 
 
@@ -33,7 +33,13 @@ def _part(n: int, rank: int, ranks: int, what: str, fix: str) -> slice:
 
 
 def _split_mlp(mlp: MLP, rank: int, ranks: int) -> None:
-    s = _part(mlp.gate_proj.out_features, rank, ranks, "intermediate size", "use a TP degree that divides it")
+    s = _part(
+        mlp.gate_proj.out_features,
+        rank,
+        ranks,
+        "intermediate size",
+        "use a TP degree that divides it",
+    )
     mlp.gate_proj = _linear(mlp.gate_proj.weight[s])
     mlp.up_proj = _linear(mlp.up_proj.weight[s])
     mlp.down_proj = _linear(mlp.down_proj.weight[:, s])
@@ -42,31 +48,47 @@ def _split_mlp(mlp: MLP, rank: int, ranks: int) -> None:
 def _split_experts_tp(mod, rank: int, ranks: int) -> None:
     """EP = 1 with TP = R: every rank keeps every expert, a slice of its intermediate dim."""
     I = mod.w13_weight.shape[1] // 2
-    s = _part(I, rank, ranks, "moe_intermediate_size", "use a TP degree that divides it, or --ep equal to --tp")
+    s = _part(
+        I,
+        rank,
+        ranks,
+        "moe_intermediate_size",
+        "use a TP degree that divides it, or --ep equal to --tp",
+    )
     rows = torch.cat([torch.arange(I)[s], I + torch.arange(I)[s]])  # [gate_r; up_r]
     if isinstance(mod, MXFP4Experts):
         k = s.stop - s.start
         if k % 32:
-            raise ValueError(f"moe_intermediate_size/{ranks}={k} is not a multiple of 32: MXFP4 blocks run along the "
-                             "intermediate dim of w2; use --ep equal to --tp instead")
+            raise ValueError(
+                f"moe_intermediate_size/{ranks}={k} is not a multiple of 32: MXFP4 blocks run "
+                "along the intermediate dim of w2; use --ep equal to --tp instead"
+            )
         mod.w13_weight = mod.w13_weight[:, rows].contiguous()
         mod.w13_weight_scale = mod.w13_weight_scale[:, rows].contiguous()
-        mod.w2_weight = mod.w2_weight[..., s.start // 2: s.stop // 2].contiguous()
-        mod.w2_weight_scale = mod.w2_weight_scale[..., s.start // 32: s.stop // 32].contiguous()
+        mod.w2_weight = mod.w2_weight[..., s.start // 2 : s.stop // 2].contiguous()
+        mod.w2_weight_scale = mod.w2_weight_scale[..., s.start // 32 : s.stop // 32].contiguous()
     else:
         mod.w13_weight = nn.Parameter(mod.w13_weight[:, rows].contiguous(), requires_grad=False)
         mod.w2_weight = nn.Parameter(mod.w2_weight[..., s].contiguous(), requires_grad=False)
 
 
-def shard_tensor_parallel(model: Glm5Model, rank: int, ranks: int, ep: int,
-                          reduce: Callable[[torch.Tensor], torch.Tensor],
-                          exchange_masks: Callable | None = None) -> Glm5Model:
+def shard_tensor_parallel(
+    model: Glm5Model,
+    rank: int,
+    ranks: int,
+    ep: int,
+    reduce: Callable[[torch.Tensor], torch.Tensor],
+    exchange_masks: Callable | None = None,
+) -> Glm5Model:
     """Split `model` for `rank` of `ranks`. exchange_masks(local, n, L) all-gathers DSA keep-masks:
     with it the sparse indexer scores only this rank's share of the query rows."""
     if ranks == 1:
         return model
     if ep not in (1, ranks):
-        raise ValueError(f"ep={ep} with {ranks} ranks per stage: EP runs over the stage's ranks, use --ep 1 or --ep {ranks}")
+        raise ValueError(
+            f"ep={ep} with {ranks} ranks per stage: EP runs over the stage's ranks, use --ep 1 or "
+            f"--ep {ranks}"
+        )
     for layer in model.model.layers.values():
         assert isinstance(layer, DecoderLayer)
         a = layer.self_attn
@@ -75,7 +97,9 @@ def shard_tensor_parallel(model: Glm5Model, rank: int, ranks: int, ep: int,
         h = a.n_heads
         s = _part(h, rank, ranks, "num_attention_heads", "use a TP degree that divides it")
         qd, c = a.nope + a.rope, a.kv_lora
-        a.q_b_proj = _linear(a.q_b_proj.weight.view(h, qd, -1)[s].reshape(-1, a.q_b_proj.in_features))
+        a.q_b_proj = _linear(
+            a.q_b_proj.weight.view(h, qd, -1)[s].reshape(-1, a.q_b_proj.in_features)
+        )
         a.kv_b_proj = _linear(a.kv_b_proj.weight.view(h, a.nope + a.v_dim, c)[s].reshape(-1, c))
         H = a.o_proj.out_features
         a.o_proj = _linear(a.o_proj.weight.view(H, h, a.v_dim)[:, s].reshape(H, -1))

@@ -17,18 +17,24 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dist_glm5.checkpoint.loader import load_model
+from dist_glm5.checkpoint.shards import ShardedCheckpoint, is_sharded
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.kv_cache import Chunk
-from dist_glm5.checkpoint.loader import load_model
-from dist_glm5.obs.peak_rss import peak_rss_mb
-from dist_glm5.stages.messages import SeqOutput, SeqWork, StageTime, StepPlan, StepResult
-from dist_glm5.planning.partition import expert_ranges
 from dist_glm5.obs import profiler
+from dist_glm5.obs.peak_rss import peak_rss_mb
 from dist_glm5.obs.profiler import PROF
-from dist_glm5.sampling.rejection import verify_draft
+from dist_glm5.planning.partition import expert_ranges
 from dist_glm5.sampling.params import SamplingParams
-from dist_glm5.sampling.sampler import make_generator, process_logits, sample_one, target_probs, token_logprobs
-from dist_glm5.checkpoint.shards import ShardedCheckpoint, is_sharded
+from dist_glm5.sampling.rejection import verify_draft
+from dist_glm5.sampling.sampler import (
+    make_generator,
+    process_logits,
+    sample_one,
+    target_probs,
+    token_logprobs,
+)
+from dist_glm5.stages.messages import SeqOutput, SeqWork, StageTime, StepPlan, StepResult
 
 from .engine_config import StageSpec
 from .tp import shard_tensor_parallel
@@ -39,6 +45,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class SeqState:
     """What the last stage keeps per sequence: sampling parameters, RNG, outputs, pending draft."""
+
     params: SamplingParams
     gen: torch.Generator | None
     history: list[int] = field(default_factory=list)
@@ -47,7 +54,8 @@ class SeqState:
 
 def _shard_selection(model_dir: str, spec: StageSpec) -> tuple[int | None, int | None]:
     """Which part of a sharded checkpoint this worker opens: its own stage (and EP rank) when the
-    checkpoint was sharded for this layout, else the whole checkpoint (the loader keeps what it owns)."""
+    checkpoint was sharded for this layout, else the whole checkpoint (the loader keeps what it
+    owns)."""
     if not is_sharded(model_dir):
         return None, None
     meta = ShardedCheckpoint(model_dir).meta
@@ -68,18 +76,27 @@ class StageWorker:
         layers = range(*spec.layers) if spec.layers else range(cfg.num_hidden_layers)
         self.first, self.last = spec.stage == 0, spec.stage == spec.stages - 1
         if eng.mtp and self.last and cfg.num_nextn_predict_layers == 0:
-            raise ValueError(f"--mtp needs an MTP layer, but {eng.model_dir} has "
-                             "num_nextn_predict_layers=0")
+            raise ValueError(
+                f"--mtp needs an MTP layer, but {eng.model_dir} has num_nextn_predict_layers=0"
+            )
         ep = eng.layout.ep
         experts = expert_ranges(cfg.n_routed_experts, ep)[spec.rank] if ep > 1 else None
         t0 = time.perf_counter()
-        self.model = load_model(eng.model_dir, dtype=getattr(torch, eng.dtype) if eng.dtype else None,
-                                shard=_shard_selection(eng.model_dir, spec), placement=eng.placement,
-                                layers=layers, embed=self.first, head=self.last,
-                                mtp=self.last and eng.mtp, experts=experts)
+        self.model = load_model(
+            eng.model_dir,
+            dtype=getattr(torch, eng.dtype) if eng.dtype else None,
+            shard=_shard_selection(eng.model_dir, spec),
+            placement=eng.placement,
+            layers=layers,
+            embed=self.first,
+            head=self.last,
+            mtp=self.last and eng.mtp,
+            experts=experts,
+        )
         if spec.ranks > 1:
-            shard_tensor_parallel(self.model, spec.rank, spec.ranks, ep, comm.all_reduce,
-                                  comm.all_gather_mask)
+            shard_tensor_parallel(
+                self.model, spec.rank, spec.ranks, ep, comm.all_reduce, comm.all_gather_mask
+            )
         self.model.set_dsa(eng.dsa)
         PROF.enabled = eng.profile
         if eng.profile:  # hooks from outside the model, after tensor parallelism set its reduces
@@ -88,8 +105,13 @@ class StageWorker:
         self.seqs: dict[int, SeqState] = {}
         self.eos = tuple(cfg.eos_token_id)
         self.busy = 0.0
-        log.info("%s: layers %d..%d loaded in %.2fs", spec.id, layers.start, layers.stop - 1,
-                 time.perf_counter() - t0)
+        log.info(
+            "%s: layers %d..%d loaded in %.2fs",
+            spec.id,
+            layers.start,
+            layers.stop - 1,
+            time.perf_counter() - t0,
+        )
 
     # ---- one step ------------------------------------------------------------------------
     @torch.no_grad()
@@ -106,8 +128,11 @@ class StageWorker:
             self.cache.release(sid)
             self.seqs.pop(sid, None)
         if not plan.work:
-            return StepResult(plan.step, [], [StageTime(self.spec.stage, self.spec.rank, 0.0)]) \
-                if self.last and self.spec.rank == 0 else None
+            return (
+                StepResult(plan.step, [], [StageTime(self.spec.stage, self.spec.rank, 0.0)])
+                if self.last and self.spec.rank == 0
+                else None
+            )
         batch = self.cache.prepare([Chunk(w.seq_id, w.start, len(w.tokens)) for w in plan.work])
         T = batch.num_tokens
         if self.first:
@@ -129,7 +154,9 @@ class StageWorker:
         self.busy += dt
         if self.spec.rank != 0:
             return None
-        return StepResult(plan.step, outputs, [StageTime(self.spec.stage, self.spec.rank, dt)], peak_rss_mb())
+        return StepResult(
+            plan.step, outputs, [StageTime(self.spec.stage, self.spec.rank, dt)], peak_rss_mb()
+        )
 
     def _state(self, w: SeqWork) -> SeqState:
         st = self.seqs.get(w.seq_id)
@@ -156,16 +183,18 @@ class StageWorker:
             emitted, rejected = [], False
             if w.sample:
                 if w.draft is None:
-                    lg = m.logits(hn[b - 1:b])[0]
+                    lg = m.logits(hn[b - 1 : b])[0]
                     tok = sample_one(process_logits(lg, p, st.history, self.eos), p, st.gen)
                     emitted, rows = [tok], [lg]
                 else:
-                    lg = m.logits(hn[b - 2:b])
+                    lg = m.logits(hn[b - 2 : b])
                     pr = target_probs(process_logits(lg[0], p, st.history, self.eos), p)
                     ok, repl = verify_draft(pr, st.draft_q, w.draft, p.greedy, st.gen)
                     out.accepted = int(ok)
                     if ok:
-                        bonus = sample_one(process_logits(lg[1], p, st.history + [w.draft], self.eos), p, st.gen)
+                        bonus = sample_one(
+                            process_logits(lg[1], p, st.history + [w.draft], self.eos), p, st.gen
+                        )
                         emitted, rows = [w.draft, bonus], [lg[0], lg[1]]
                     else:
                         emitted, rows, rejected = [repl], [lg[0]], True
@@ -178,24 +207,33 @@ class StageWorker:
                 n_valid = len(w.tokens) - int(rejected)
                 actual = w.tokens[:n_valid] + (emitted if w.sample else [w.lookahead])
                 if None in actual:
-                    raise ValueError(f"sequence {w.seq_id}: a non-final prefill chunk needs its lookahead token for MTP")
+                    raise ValueError(
+                        f"sequence {w.seq_id}: a non-final prefill chunk needs its lookahead token "
+                        "for MTP"
+                    )
                 mtp_chunks.append(Chunk(w.seq_id, w.start, n_valid))
                 mtp_rows.append(torch.arange(a, a + n_valid))
-                mtp_next += actual[1:n_valid + 1]
+                mtp_next += actual[1 : n_valid + 1]
                 mtp_seqs.append((out, st, w.sample))
         if mtp_chunks:
             mb = self.cache.prepare(mtp_chunks)
             hm = m.mtp_forward(torch.tensor(mtp_next), hn[torch.cat(mtp_rows)], mb, self.cache)
             for (out, st, sampled), (_, e) in zip(mtp_seqs, mb.spans):
                 if sampled:
-                    out.draft, st.draft_q = self.propose(out.seq_id, st, m.mtp_logits(hm[e - 1:e])[0])
+                    out.draft, st.draft_q = self.propose(
+                        out.seq_id, st, m.mtp_logits(hm[e - 1 : e])[0]
+                    )
         return outputs
 
-    def propose(self, seq_id: int, st: SeqState, mtp_logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    def propose(
+        self, seq_id: int, st: SeqState, mtp_logits: torch.Tensor
+    ) -> tuple[int, torch.Tensor | None]:
         """The next draft from the MTP layer's logits: drawn like a target token (same processing),
         with its proposal distribution q kept for the rejection sampler (None for greedy rows)."""
         proc = process_logits(mtp_logits, st.params, st.history, self.eos)
-        return sample_one(proc, st.params, st.gen), None if st.params.greedy else target_probs(proc, st.params)
+        return sample_one(proc, st.params, st.gen), None if st.params.greedy else target_probs(
+            proc, st.params
+        )
 
 
 # ---- process mode -----------------------------------------------------------------------
@@ -224,17 +262,43 @@ def serve(spec: StageSpec, coord_addr: str, dist_init: str | None) -> None:
             if isinstance(msg, Shutdown):
                 break
             step = msg.step
-            t0, s0, b0 = worker.busy, comm.send_seconds if comm else 0.0, comm.bytes_sent if comm else 0
+            t0, s0, b0 = (
+                worker.busy,
+                comm.send_seconds if comm else 0.0,
+                comm.bytes_sent if comm else 0,
+            )
             res = worker.step(msg)
             if res is not None:
                 sock.send(pack(res))
             elif (spec.rank == 0 and not worker.last) or spec.engine.profile:
-                sock.send(pack(StepTiming(msg.step, spec.stage, worker.busy - t0, comm.send_seconds - s0 if comm else 0.0,
-                                          comm.bytes_sent - b0 if comm else 0, peak_rss_mb(), spec.rank,
-                                          [list(e) for e in PROF.take()] if spec.engine.profile else [])))
-    except Exception as e:  # reported, never swallowed: the coordinator fails the in-flight requests
+                sock.send(
+                    pack(
+                        StepTiming(
+                            msg.step,
+                            spec.stage,
+                            worker.busy - t0,
+                            comm.send_seconds - s0 if comm else 0.0,
+                            comm.bytes_sent - b0 if comm else 0,
+                            peak_rss_mb(),
+                            spec.rank,
+                            [list(e) for e in PROF.take()] if spec.engine.profile else [],
+                        )
+                    )
+                )
+    except (
+        Exception
+    ) as e:  # reported, never swallowed: the coordinator fails the in-flight requests
         log.exception("%s failed", spec.id)
-        sock.send(pack(WorkerError(spec.stage, spec.rank, step, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
+        sock.send(
+            pack(
+                WorkerError(
+                    spec.stage,
+                    spec.rank,
+                    step,
+                    f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
+                )
+            )
+        )
         raise
     finally:
         if comm is not None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from dist_glm5.checkpoint.tokenizer import load_tokenizer
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.stages.coordinator import Coordinator
+from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, StageSpec
 from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
 from dist_glm5.stages.scheduler import SchedulerConfig
-from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, StageSpec
-from dist_glm5.checkpoint.tokenizer import load_tokenizer
 
 
 def prompts(lengths, seed=0, vocab=256):
@@ -19,9 +19,14 @@ def prompts(lengths, seed=0, vocab=256):
 
 def coordinator(model_dir, mtp=False, worker_cls=None, dtype=None, **sched) -> Coordinator:
     cfg = ModelConfig.from_hf(model_dir)
-    engine = EngineConfig(str(model_dir), cache=CacheConfig(128),
-                          scheduler=SchedulerConfig(**{"chunk_tokens": 64, **sched}), mtp=mtp,
-                          dtype=dtype)
+    engine = EngineConfig(
+        str(model_dir),
+        cache=CacheConfig(128),
+        scheduler=SchedulerConfig(**{"chunk_tokens": 64, **sched}),
+        mtp=mtp,
+        dtype=dtype,
+    )
     pipe = InProcessPipeline(StageSpec(engine), worker_cls)
-    return Coordinator(pipe, engine.scheduler, cfg.eos_token_id, cfg.vocab_size,
-                       load_tokenizer(model_dir))
+    return Coordinator(
+        pipe, engine.scheduler, cfg.eos_token_id, cfg.vocab_size, load_tokenizer(model_dir)
+    )

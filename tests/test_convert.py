@@ -1,4 +1,5 @@
-"""Converters end to end on checkpoints transformers wrote: glm53 -> shard -> verify -> load; bad inputs; resume."""
+"""Converters end to end on checkpoints transformers wrote: glm53 -> shard -> verify -> load; bad
+inputs; resume."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ import shutil
 
 import pytest
 import torch
-
-from dist_glm5.model.reference_loop import full_logits
-from dist_glm5.checkpoint.loader import load_model
-from dist_glm5.checkpoint.safetensors_io import Checkpoint, CheckpointError, SafeTensorsFile, save_streaming
 from hf_tiny import make_hf_model
+
+from dist_glm5.checkpoint.loader import load_model
+from dist_glm5.checkpoint.safetensors_io import (
+    Checkpoint,
+    CheckpointError,
+    SafeTensorsFile,
+    save_streaming,
+)
+from dist_glm5.model.reference_loop import full_logits
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +48,10 @@ def test_glm53_layout_and_bytes(bf16_dir, converted):
     from dist_glm5.quant.mxfp4 import encode
 
     cfg = json.loads((converted / "config.json").read_text())
-    assert cfg["quantization_config"]["quant_method"] == "dist_glm5" and cfg["quantization_config"]["rule"] == "quark"
+    assert (
+        cfg["quantization_config"]["quant_method"] == "dist_glm5"
+        and cfg["quantization_config"]["rule"] == "quark"
+    )
     src, out = Checkpoint(bf16_dir), Checkpoint(converted)
     pre = "model.layers.1.mlp.experts"
     w13 = out.get(f"{pre}.routed_experts.w13_weight")
@@ -78,13 +87,20 @@ def test_end_to_end_shard_verify_load_and_quality(bf16_dir, converted, tmp_path)
     for p in _prompts():
         a, b = full_logits(bf16, p), full_logits(mx_sharded, p)
         torch.testing.assert_close(b, full_logits(mx_whole, p), rtol=0, atol=0)
-        kls.append(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
-                                              reduction="none").sum(-1))
+        kls.append(
+            torch.nn.functional.kl_div(
+                b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="none"
+            ).sum(-1)
+        )
         agree += (a.argmax(-1) == b.argmax(-1)).sum().item()
         total += len(p)
     kl = torch.cat(kls).mean().item()
     top1 = agree / total
-    log.warning("MXFP4 (quark rule) vs BF16 on the tiny model: per-token KL %.4f, top-1 agreement %.3f", kl, top1)
+    log.warning(
+        "MXFP4 (quark rule) vs BF16 on the tiny model: per-token KL %.4f, top-1 agreement %.3f",
+        kl,
+        top1,
+    )
     assert kl < 0.05 and top1 > 0.8
 
 
@@ -118,11 +134,14 @@ def _edited_copy(src, dst, edit=None, cfg_edit=None):
 EXPERT = "model.layers.2.mlp.experts.5.gate_proj.weight"
 
 
-@pytest.mark.parametrize("case,edit,cfg_edit,needle", [
-    ("missing expert", lambda t: t.pop(EXPERT), None, EXPERT),
-    ("wrong dtype", lambda t: t.__setitem__(EXPERT, t[EXPERT].to(torch.int16)), None, EXPERT),
-    ("config disagrees", None, lambda c: c.update(moe_intermediate_size=64), "shape"),
-])
+@pytest.mark.parametrize(
+    "case,edit,cfg_edit,needle",
+    [
+        ("missing expert", lambda t: t.pop(EXPERT), None, EXPERT),
+        ("wrong dtype", lambda t: t.__setitem__(EXPERT, t[EXPERT].to(torch.int16)), None, EXPERT),
+        ("config disagrees", None, lambda c: c.update(moe_intermediate_size=64), "shape"),
+    ],
+)
 def test_glm53_bad_inputs_name_the_problem(bf16_dir, tmp_path, case, edit, cfg_edit, needle):
     from dist_glm5.convert.glm53 import convert_glm53
 
@@ -174,12 +193,19 @@ def test_crash_leaves_no_partial_file_and_rerun_resumes(bf16_dir, converted, tmp
         glm53.convert_glm53(bf16_dir, dst)
     done = sorted(p.name for p in dst.glob("*.safetensors"))
     assert "model-layer-00002.safetensors" not in done and not list(dst.glob("*.tmp*"))
-    for name in done:  # whatever has its final name is complete: its header and byte ranges check out
+    for (
+        name
+    ) in done:  # whatever has its final name is complete: its header and byte ranges check out
         SafeTensorsFile(dst / name)
     monkeypatch.setattr(glm53, "encode", real)
     glm53.convert_glm53(bf16_dir, dst)  # resumes
-    a, b = json.loads((dst / "manifest.json").read_text()), json.loads((converted / "manifest.json").read_text())
-    assert {n: t["sha256"] for n, t in a["tensors"].items()} == {n: t["sha256"] for n, t in b["tensors"].items()}
+    a, b = (
+        json.loads((dst / "manifest.json").read_text()),
+        json.loads((converted / "manifest.json").read_text()),
+    )
+    assert {n: t["sha256"] for n, t in a["tensors"].items()} == {
+        n: t["sha256"] for n, t in b["tensors"].items()
+    }
     glm53.convert_glm53(bf16_dir, dst)  # a rerun of a finished job is a no-op
 
 
@@ -188,7 +214,9 @@ def test_parallel_encoding_writes_the_same_bytes(bf16_dir, converted, tmp_path):
 
     m = convert_glm53(bf16_dir, tmp_path / "par", workers=2)
     want = json.loads((converted / "manifest.json").read_text())["tensors"]
-    assert {n: t["sha256"] for n, t in m["tensors"].items()} == {n: t["sha256"] for n, t in want.items()}
+    assert {n: t["sha256"] for n, t in m["tensors"].items()} == {
+        n: t["sha256"] for n, t in want.items()
+    }
 
 
 def test_probe_finds_gate_up_and_says_inconclusive_when_it_cannot_tell(converted):
@@ -199,8 +227,11 @@ def test_probe_finds_gate_up_and_says_inconclusive_when_it_cannot_tell(converted
     r = probe(converted, act_scale=0.01)
     assert r["verdict"] == "inconclusive" and any("up_gate" in x for x in r["reasons"]), r
 
-    def identical_experts_kernel(x, w, ids, w13, w2):  # a kernel that ignores which expert is asked for
+    def identical_experts_kernel(
+        x, w, ids, w13, w2
+    ):  # a kernel that ignores which expert is asked for
         from dist_glm5.convert.probe import cpu_kernel
+
         return cpu_kernel(x, w, torch.zeros_like(ids), w13, w2)
 
     r = probe(converted, kernel=identical_experts_kernel)

@@ -1,11 +1,12 @@
-"""Decode over the paged cache equals full recomputation; batching and block sizes change nothing."""
+"""Decode over the paged cache equals full recomputation; batching and block sizes change
+nothing."""
 
 from __future__ import annotations
 
 import torch
 
-from dist_glm5.model.reference_loop import full_logits, generate
 from dist_glm5.model.kv_cache import Chunk
+from dist_glm5.model.reference_loop import full_logits, generate
 from dist_glm5.sampling.params import SamplingParams
 
 
@@ -21,7 +22,7 @@ def test_decode_equals_full_recompute_64_steps(default_model):
     seq = prompt + out
     logits = full_logits(m, seq)
     # every generated token is the argmax of the full recomputation at its position
-    assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == out
+    assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == out
 
 
 def test_decode_logits_match_recompute(default_model):
@@ -36,7 +37,7 @@ def test_decode_logits_match_recompute(default_model):
         got.append(m.logits(m.final_norm(h)))
         for p in range(70, 90):  # absorbed MLA form, one token at a time
             b = cache.prepare([Chunk(0, p, 1)])
-            h, _ = m(torch.tensor(seq[p:p + 1]), b, cache)
+            h, _ = m(torch.tensor(seq[p : p + 1]), b, cache)
             got.append(m.logits(m.final_norm(h)))
     torch.testing.assert_close(torch.cat(got), full, rtol=0, atol=1e-4)
 
@@ -70,7 +71,10 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(default_model):
     p = SamplingParams(temperature=1.0, max_tokens=10, seed=123, ignore_eos=True)
     one = generate(m, [a], p)[0].token_ids
     assert generate(m, [a], p)[0].token_ids == one
-    assert generate(m, [b, a], [SamplingParams(temperature=0.7, max_tokens=5, seed=9), p])[1].token_ids == one
+    assert (
+        generate(m, [b, a], [SamplingParams(temperature=0.7, max_tokens=5, seed=9), p])[1].token_ids
+        == one
+    )
 
 
 def test_eos_stops(default_model):

@@ -12,8 +12,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # folder in the repository -> the package it installs as (pyproject's package-dir)
-FOLDERS = {"dist_glm5": "dist_glm5", "kernels": "dist_glm5.kernels", "stages": "dist_glm5.stages",
-           "convert": "dist_glm5.convert", "bench": "dist_glm5.bench", "launch": "dist_glm5.launch"}
+FOLDERS = {
+    "dist_glm5": "dist_glm5",
+    "kernels": "dist_glm5.kernels",
+    "stages": "dist_glm5.stages",
+    "convert": "dist_glm5.convert",
+    "bench": "dist_glm5.bench",
+    "launch": "dist_glm5.launch",
+}
 TOP_FLOORS = ("dist_glm5.stages", "dist_glm5.convert", "dist_glm5.bench", "dist_glm5.launch")
 # what each floor may not import (anything it imports must sit on its floor or below)
 FORBIDDEN = {
@@ -43,7 +49,7 @@ def _imports(name: str, is_pkg: bool, path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = name.split(".") if is_pkg else name.split(".")[:-1]
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
@@ -61,7 +67,7 @@ def _floor(name: str) -> str:
 
 def test_imports_run_one_way():
     bad = []
-    for pkg, name, is_pkg, path in _modules():
+    for _pkg, name, is_pkg, path in _modules():
         for mod in _imports(name, is_pkg, path):
             if any(mod == f or mod.startswith(f + ".") for f in FORBIDDEN.get(_floor(name), ())):
                 bad.append(f"{path.relative_to(ROOT)} imports {mod}")
@@ -80,7 +86,7 @@ def test_the_checker_sees_a_violation(tmp_path):
 
 def test_model_math_has_no_distribution_or_profiler():
     bad = []
-    for pkg, name, is_pkg, path in _modules():
+    for _pkg, name, is_pkg, path in _modules():
         if name.startswith("dist_glm5.model"):
             for mod in _imports(name, is_pkg, path):
                 if mod.startswith(("dist_glm5.obs", "torch.distributed", "dist_glm5.stages")):
@@ -112,8 +118,14 @@ def test_readme_layout_table_matches_tree():
     assert listed, "README has no layout table"
     for r in listed:
         assert (ROOT / r).exists(), f"README's layout table lists {r}, which is not in the tree"
-    expected = set(FOLDERS) | {"tests"} | {
-        f"dist_glm5/{d.name}" for d in (ROOT / "dist_glm5").iterdir()
-        if d.is_dir() and (d / "__init__.py").exists()}
+    expected = (
+        set(FOLDERS)
+        | {"tests"}
+        | {
+            f"dist_glm5/{d.name}"
+            for d in (ROOT / "dist_glm5").iterdir()
+            if d.is_dir() and (d / "__init__.py").exists()
+        }
+    )
     missing = expected - listed
     assert not missing, f"folders missing from README's layout table: {sorted(missing)}"

@@ -1,4 +1,5 @@
-"""Checkpoint loading counts in both directions; every malformed checkpoint fails naming the tensor."""
+"""Checkpoint loading counts in both directions; every malformed checkpoint fails naming the
+tensor."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import shutil
 
 import pytest
 import torch
+from hf_tiny import save_hf_model
 
-from dist_glm5.model.reference_loop import full_logits
 from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.checkpoint.safetensors_io import Checkpoint, CheckpointError, save_streaming
-from hf_tiny import save_hf_model
+from dist_glm5.model.reference_loop import full_logits
 
 
 @pytest.fixture(scope="module")
@@ -44,33 +45,52 @@ EXPERT = "model.layers.1.mlp.experts.3.up_proj.weight"
 
 
 def test_missing_tensor(hf_dir, tmp_path):
-    _fails(_variant(hf_dir, tmp_path, lambda t: t.pop("model.layers.0.self_attn.kv_b_proj.weight")),
-           "missing", "model.layers.0.self_attn.kv_b_proj.weight")
+    _fails(
+        _variant(hf_dir, tmp_path, lambda t: t.pop("model.layers.0.self_attn.kv_b_proj.weight")),
+        "missing",
+        "model.layers.0.self_attn.kv_b_proj.weight",
+    )
 
 
 def test_extra_tensor(hf_dir, tmp_path):
-    _fails(_variant(hf_dir, tmp_path, lambda t: t.__setitem__("model.layers.0.mlp.bonus.weight", torch.zeros(2))),
-           "not used", "model.layers.0.mlp.bonus.weight")
+    _fails(
+        _variant(
+            hf_dir,
+            tmp_path,
+            lambda t: t.__setitem__("model.layers.0.mlp.bonus.weight", torch.zeros(2)),
+        ),
+        "not used",
+        "model.layers.0.mlp.bonus.weight",
+    )
 
 
 def test_wrong_shape(hf_dir, tmp_path):
-    _fails(_variant(hf_dir, tmp_path, lambda t: t.__setitem__(EXPERT, t[EXPERT][:-1].clone())),
-           EXPERT, "shape")
+    _fails(
+        _variant(hf_dir, tmp_path, lambda t: t.__setitem__(EXPERT, t[EXPERT][:-1].clone())),
+        EXPERT,
+        "shape",
+    )
 
 
 def test_wrong_dtype(hf_dir, tmp_path):
-    _fails(_variant(hf_dir, tmp_path, lambda t: t.__setitem__(EXPERT, t[EXPERT].half())), EXPERT, "dtype")
+    _fails(
+        _variant(hf_dir, tmp_path, lambda t: t.__setitem__(EXPERT, t[EXPERT].half())),
+        EXPERT,
+        "dtype",
+    )
 
 
 def test_misnamed_expert(hf_dir, tmp_path):
     def edit(t):
         t["model.layers.1.mlp.experts.3.up.weight"] = t.pop(EXPERT)
+
     _fails(_variant(hf_dir, tmp_path, edit), EXPERT, "model.layers.1.mlp.experts.3.up.weight")
 
 
 def test_expert_out_of_range(hf_dir, tmp_path):
     def edit(t):
         t["model.layers.1.mlp.experts.8.up_proj.weight"] = t.pop(EXPERT)
+
     _fails(_variant(hf_dir, tmp_path, edit), EXPERT, "experts.8.up_proj")
 
 
@@ -96,14 +116,19 @@ def test_sharded_checkpoint_loads_identically(hf_dir, tmp_path):
     d = tmp_path / "sharded"
     d.mkdir()
     shutil.copy(hf_dir / "config.json", d / "config.json")
-    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    halves = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
     wm = {}
     for fn, ns in halves.items():
         save_streaming(d / fn, {n: ck.get(n) for n in ns})
         wm.update({n: fn for n in ns})
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
     ids = list(range(2, 40))
-    torch.testing.assert_close(full_logits(load_model(d), ids), full_logits(load_model(hf_dir), ids), rtol=0, atol=0)
+    torch.testing.assert_close(
+        full_logits(load_model(d), ids), full_logits(load_model(hf_dir), ids), rtol=0, atol=0
+    )
     # an index that names a tensor its file does not hold
     wm[names[0]] = "model-00002-of-00002.safetensors"
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))

@@ -32,6 +32,7 @@ GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Pure-Python reference for one block
 # ---------------------------------------------------------------------------------------------
 
+
 def _f32_bits(v: float) -> int:
     return struct.unpack("<I", struct.pack("<f", v))[0]
 
@@ -86,13 +87,13 @@ def encode_block_reference(values, rule: str) -> tuple[list[int], int]:
             if math.isinf(v):
                 codes.append(6 | (s << 3))
                 continue
-            c = _rne_e2m1(abs(v) / 2.0 ** x)
+            c = _rne_e2m1(abs(v) / 2.0**x)
             codes.append(c | (s << 3) if c else 0)
         return codes, byte
     e = (_f32_bits(amax) >> 23) & 0xFF
     x = min(max(e - 127 - 2, -127), 128)
     x_el = max(x, -126)
-    return [_rne_e2m1(abs(v) / 2.0 ** x_el) | (s << 3) for v, s in zip(vals, sign)], x + 127
+    return [_rne_e2m1(abs(v) / 2.0**x_el) | (s << 3) for v, s in zip(vals, sign)], x + 127
 
 
 def _reference(w: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +107,9 @@ def _reference(w: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     c = torch.tensor(codes, dtype=torch.uint8)
     packed = c[:, 0::2] | (c[:, 1::2] << 4)
     lead = tuple(w.shape[:-1])
-    return packed.reshape(*lead, w.shape[-1] // 2), torch.tensor(scales, dtype=torch.uint8).reshape(*lead, -1)
+    return packed.reshape(*lead, w.shape[-1] // 2), torch.tensor(scales, dtype=torch.uint8).reshape(
+        *lead, -1
+    )
 
 
 def _block(vals, dtype=torch.float32) -> torch.Tensor:
@@ -127,6 +130,7 @@ def _codes(packed: torch.Tensor) -> list[int]:
 # Independent decode
 # ---------------------------------------------------------------------------------------------
 
+
 def _decode_independent(packed: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
     """fp64 decode through ml_dtypes when installed, else through a hand table and math.ldexp."""
     p = packed.numpy().astype(np.uint8)
@@ -134,13 +138,18 @@ def _decode_independent(packed: torch.Tensor, scales: torch.Tensor) -> np.ndarra
     codes = np.stack([lo, hi], axis=-1).reshape(*p.shape[:-1], -1)
     try:
         import ml_dtypes
+
         values = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
         scale = scales.numpy().view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
     except ImportError:  # pragma: no cover - ml_dtypes is a transformers/jax dependency here
         table = np.array([math.copysign(GRID[c & 7], -1.0 if c & 8 else 1.0) for c in range(16)])
         values = table[codes]
-        scale = np.array([math.ldexp(1.0, int(b) - 127) if b != 255 else math.nan
-                          for b in scales.numpy().reshape(-1)]).reshape(scales.shape)
+        scale = np.array(
+            [
+                math.ldexp(1.0, int(b) - 127) if b != 255 else math.nan
+                for b in scales.numpy().reshape(-1)
+            ]
+        ).reshape(scales.shape)
     return values * np.repeat(scale, 32, axis=-1)
 
 
@@ -162,7 +171,9 @@ def test_decode_table_every_byte():
     packed = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
     scales = torch.full((16, 1), 127, dtype=torch.uint8)
     out = decode(packed, scales, torch.float32)
-    expect = torch.tensor([[mxfp4.E2M1_VALUES[b & 15], mxfp4.E2M1_VALUES[b >> 4]] for b in range(256)])
+    expect = torch.tensor(
+        [[mxfp4.E2M1_VALUES[b & 15], mxfp4.E2M1_VALUES[b >> 4]] for b in range(256)]
+    )
     assert torch.equal(out.reshape(256, 2), expect)
     assert torch.equal(torch.signbit(out.reshape(256, 2)), torch.signbit(expect))  # -0 stays -0
 
@@ -181,6 +192,7 @@ def test_decode_dtypes_and_torch_e8m0():
 # ---------------------------------------------------------------------------------------------
 # Round trips and accuracy
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -224,6 +236,7 @@ def test_even_rule_is_more_accurate_on_gaussians():
 # Shapes, chunking, dtypes, errors
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("rule", RULES)
 def test_shapes_and_leading_dims(rule):
     g = torch.Generator().manual_seed(5)
@@ -257,8 +270,13 @@ def test_chunking_does_not_change_bytes(rule):
         for got in (encode(w, rule, rows_per_chunk=rows), encode_chunked(w, rule, rows)):
             assert torch.equal(got[0], whole[0]) and torch.equal(got[1], whole[1])
     p, s = whole
-    torch.testing.assert_close(decode(p, s, torch.float32, rows_per_chunk=2), decode(p, s, torch.float32),
-                               rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(
+        decode(p, s, torch.float32, rows_per_chunk=2),
+        decode(p, s, torch.float32),
+        rtol=0,
+        atol=0,
+        equal_nan=True,
+    )
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -275,9 +293,22 @@ def test_input_dtypes_agree(rule):
 @pytest.mark.parametrize("rule", RULES)
 def test_fp32_near_ties_round_correctly(rule):
     """fp32 values within an ulp of bf16 of a midpoint must not be rounded to the midpoint first."""
-    eps = 2.0 ** -20
-    vals = [4.0, 1.25 * (1 + eps), 1.25 * (1 - eps), 0.75 * (1 - eps), 0.25 * (1 + eps),
-            2.5 * (1 + eps), 3.5 * (1 - eps), 5.0 * (1 + eps), -0.25 * (1 + eps), 1.25, 0.75, 0.25, 5.0]
+    eps = 2.0**-20
+    vals = [
+        4.0,
+        1.25 * (1 + eps),
+        1.25 * (1 - eps),
+        0.75 * (1 - eps),
+        0.25 * (1 + eps),
+        2.5 * (1 + eps),
+        3.5 * (1 - eps),
+        5.0 * (1 + eps),
+        -0.25 * (1 + eps),
+        1.25,
+        0.75,
+        0.25,
+        5.0,
+    ]
     packed, scales = encode(_block(vals), rule)  # amax 4 -> X = 0 in both rules
     assert scales.item() == 127
     codes = _codes(packed)[: len(vals)]
@@ -287,7 +318,9 @@ def test_fp32_near_ties_round_correctly(rule):
 
 
 def test_k_not_multiple_of_32_names_shape_and_fix():
-    with pytest.raises(ValueError, match=r"multiple of 32.*shape \(4, 48\).*pad the input dimension"):
+    with pytest.raises(
+        ValueError, match=r"multiple of 32.*shape \(4, 48\).*pad the input dimension"
+    ):
         encode(torch.zeros(4, 48))
     with pytest.raises(ValueError, match=r"shape \(\)"):
         encode(torch.tensor(1.0))
@@ -336,19 +369,29 @@ QUIRKS = [
     # name, block values, quark (byte, leading codes), ocp (byte, leading codes)
     ("all zero", [0.0], (1, [0, 0]), (0, [0, 0])),
     ("-0.0 and 1", [-0.0, 1.0], (125, [0, 6]), (125, [8, 6])),
-    ("negatives rounding to zero", [1.0, -0.05, -0.0625, 0.0625, 0.75], (125, [6, 0, 0, 0, 5]), (125, [6, 8, 8, 0, 5])),
+    (
+        "negatives rounding to zero",
+        [1.0, -0.05, -0.0625, 0.0625, 0.75],
+        (125, [6, 0, 0, 0, 5]),
+        (125, [6, 8, 8, 0, 5]),
+    ),
     ("amax exactly 7", [7.0, 1.0, -3.5], (128, [6, 1, 12]), (127, [7, 2, 14])),
     ("amax just below 7", [F32_BELOW_7, 1.0], (127, [7, 2]), (127, [7, 2])),
-    ("amax 2^-126", [2.0 ** -126, -(2.0 ** -127)], (1, [4, 10]), (0, [2, 9])),
-    ("amax 2^-125", [2.0 ** -125], (1, [6]), (0, [4])),
-    ("amax 2^-124", [2.0 ** -124, 1.5 * 2.0 ** -127], (1, [6, 2]), (1, [6, 2])),
-    ("amax 2^-130", [2.0 ** -130], (1, [0]), (0, [0])),
+    ("amax 2^-126", [2.0**-126, -(2.0**-127)], (1, [4, 10]), (0, [2, 9])),
+    ("amax 2^-125", [2.0**-125], (1, [6]), (0, [4])),
+    ("amax 2^-124", [2.0**-124, 1.5 * 2.0**-127], (1, [6, 2]), (1, [6, 2])),
+    ("amax 2^-130", [2.0**-130], (1, [0]), (0, [0])),
     ("amax 1e-40", [1e-40, -3e-41], (1, [0, 0]), (0, [0, 8])),
     ("amax 3e38", [3e38, 1e38], (254, [4, 1]), (252, [7, 4])),
     ("amax fp32 max", [3.4028234663852886e38, -1e38], (254, [4, 9]), (252, [7, 12])),
     ("inf", [math.inf, 1.0, -math.inf, 3e38], (254, [6, 0, 14, 4]), (253, [7, 0, 15, 6])),
     ("nan", [math.nan, 1.0, -1.0, 0.0, -0.0], (127, [7, 7, 7, 7, 7]), (255, [3, 0, 8, 0, 8])),
-    ("-nan and infs", [-math.nan, 1.0, -math.inf, math.inf], (127, [15, 7, 7, 7]), (255, [11, 0, 11, 11])),
+    (
+        "-nan and infs",
+        [-math.nan, 1.0, -math.inf, math.inf],
+        (127, [15, 7, 7, 7]),
+        (255, [11, 0, 11, 11]),
+    ),
 ]
 
 
@@ -378,7 +421,7 @@ _SPECIAL = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 6.0, 4.0, 0.5, 8.0, 0.0]
 def _blocks(draw):
     """A block of 32 fp32 values around a random power of two, with ties and oddities mixed in."""
     k = draw(st.integers(-150, 130))
-    scale = 2.0 ** k
+    scale = 2.0**k
     elem = st.one_of(
         st.sampled_from(_SPECIAL).map(lambda m: m * scale),
         st.floats(-8.0, 8.0, width=32).map(lambda v: v * scale),

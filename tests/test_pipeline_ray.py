@@ -8,18 +8,17 @@ import json
 import os
 import re
 import signal
-import time
 
 import pytest
+from runtime_util import prompts
 
 from dist_glm5.model.config import ModelConfig
+from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.model.reference_loop import generate
 from dist_glm5.sampling.params import SamplingParams
 from dist_glm5.stages.coordinator import Coordinator
-from dist_glm5.stages.scheduler import SchedulerConfig
 from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout
-from dist_glm5.model.dsa_config import DSAConfig
-from runtime_util import prompts
+from dist_glm5.stages.scheduler import SchedulerConfig
 
 ray = pytest.importorskip("ray")
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -47,10 +46,18 @@ def serve(model_dir, stages, tp, ep, mtp=False, dsa=None, **kw):
     from dist_glm5.stages.ray_pipeline import RayPipeline
 
     cfg = ModelConfig.from_hf(model_dir)
-    engine = EngineConfig(str(model_dir), Layout(stages, tp, ep), CacheConfig(64),
-                          SchedulerConfig(chunk_tokens=48), dsa or DSAConfig(), mtp=mtp, **kw)
-    return Coordinator(RayPipeline(engine), engine.scheduler, cfg.eos_token_id, cfg.vocab_size,
-                       step_timeout=120)
+    engine = EngineConfig(
+        str(model_dir),
+        Layout(stages, tp, ep),
+        CacheConfig(64),
+        SchedulerConfig(chunk_tokens=48),
+        dsa or DSAConfig(),
+        mtp=mtp,
+        **kw,
+    )
+    return Coordinator(
+        RayPipeline(engine), engine.scheduler, cfg.eos_token_id, cfg.vocab_size, step_timeout=120
+    )
 
 
 SPARSE = DSAConfig(mode="sparse", dense_threshold=0, window=16)
@@ -65,12 +72,21 @@ def served_outputs(model_dir, stages, tp, ep, **kw) -> list[list[int]]:
         c.close()
 
 
-@pytest.mark.parametrize("stages,tp,ep,mtp,dsa", [(2, 1, 1, False, None), (1, 2, 2, False, None), (2, 2, 2, True, None),
-                                                  (2, 2, 1, False, None), (1, 2, 2, False, SPARSE),
-                                                  (2, 2, 2, True, SPARSE)])
+@pytest.mark.parametrize(
+    "stages,tp,ep,mtp,dsa",
+    [
+        (2, 1, 1, False, None),
+        (1, 2, 2, False, None),
+        (2, 2, 2, True, None),
+        (2, 2, 1, False, None),
+        (1, 2, 2, False, SPARSE),
+        (2, 2, 2, True, SPARSE),
+    ],
+)
 def test_layouts_equal_single_process(cluster, default_model_dir, want, stages, tp, ep, mtp, dsa):
-    """Sparse DSA rows: the indexer's query rows are split over the 2 ranks, which exchange bit-packed
-    selections; prompts of 70 and 150 tokens and the decodes after them exceed index_topk=64."""
+    """Sparse DSA rows: the indexer's query rows are split over the 2 ranks, which exchange
+    bit-packed selections; prompts of 70 and 150 tokens and the decodes after them exceed
+    index_topk=64."""
     c = serve(default_model_dir, stages, tp, ep, mtp, dsa=dsa)
     try:
         if stages == 2:  # one stage per node
@@ -100,9 +116,31 @@ def test_profile_two_stages_two_ranks(cluster, default_model_dir, tmp_path):
 
     from test_profile import LAUNCH, check_profile
 
-    r = subprocess.run([*LAUNCH, "profile", "--stages", "2", "--tp", "2", "--ep", "2", "--address", cluster.address,
-                        "--ctx", "80", "--batch", "2", "--decode-steps", "4", "--output", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            *LAUNCH,
+            "profile",
+            "--stages",
+            "2",
+            "--tp",
+            "2",
+            "--ep",
+            "2",
+            "--address",
+            cluster.address,
+            "--ctx",
+            "80",
+            "--batch",
+            "2",
+            "--decode-steps",
+            "4",
+            "--output",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     check_profile(tmp_path, 2, 2)
     a = json.loads((tmp_path / "anatomy.json").read_text())
@@ -110,9 +148,9 @@ def test_profile_two_stages_two_ranks(cluster, default_model_dir, tmp_path):
 
 
 def test_mxfp4_checkpoint_through_two_stages(cluster, default_model_dir, tmp_path):
+    from dist_glm5.checkpoint.loader import load_model
     from dist_glm5.convert.glm53 import convert_glm53
     from dist_glm5.convert.shard import shard_checkpoint
-    from dist_glm5.checkpoint.loader import load_model
 
     mx = tmp_path / "mx"
     convert_glm53(default_model_dir, mx)
@@ -122,19 +160,27 @@ def test_mxfp4_checkpoint_through_two_stages(cluster, default_model_dir, tmp_pat
     assert served_outputs(sh, 2, 2, 2, mtp=True) == want
 
 
-def test_a_stage_that_raises_fails_requests_naming_it_then_serves_again(cluster, default_model_dir, want):
+def test_a_stage_that_raises_fails_requests_naming_it_then_serves_again(
+    cluster, default_model_dir, want
+):
     c = serve(default_model_dir, 2, 1, 1)
     try:
         long = prompts([64 * 64 + 10], seed=3)[0]  # more than the 64-block cache: the workers raise
         s = c.run([long], GREEDY)[0]  # bounded by the coordinator's own step timeout
         # both stages run out of cache on the same step; whichever reports first is named
-        assert s.finish_reason == "error" and re.search(r"stage [01] rank 0", s.error) and "CacheFullError" in s.error
+        assert (
+            s.finish_reason == "error"
+            and re.search(r"stage [01] rank 0", s.error)
+            and "CacheFullError" in s.error
+        )
         assert [x.output for x in c.run(PROMPTS[:2], GREEDY)] == want[:2]  # restarted, serving
     finally:
         c.close()
 
 
-def test_a_stage_that_dies_fails_requests_naming_it_then_serves_again(cluster, default_model_dir, want):
+def test_a_stage_that_dies_fails_requests_naming_it_then_serves_again(
+    cluster, default_model_dir, want
+):
     c = serve(default_model_dir, 2, 1, 1)
     try:
         seqs = [c.add(p, SamplingParams(max_tokens=200, ignore_eos=True)) for p in PROMPTS[:2]]
@@ -144,8 +190,12 @@ def test_a_stage_that_dies_fails_requests_naming_it_then_serves_again(cluster, d
         while not all(s.finished for s in seqs):
             c.step()  # each step is bounded by the coordinator's step timeout
             steps += 1
-            assert steps <= 2 * c.sched_cfg.microbatches, "the coordinator did not notice the dead stage"
-        assert all(s.finish_reason == "error" and "stage 1 rank 0" in s.error for s in seqs), [s.error for s in seqs]
+            assert steps <= 2 * c.sched_cfg.microbatches, (
+                "the coordinator did not notice the dead stage"
+            )
+        assert all(s.finish_reason == "error" and "stage 1 rank 0" in s.error for s in seqs), [
+            s.error for s in seqs
+        ]
         assert [x.output for x in c.run(PROMPTS[:2], GREEDY)] == want[:2]
     finally:
         c.close()

@@ -1,4 +1,5 @@
-"""`launch profile`: the parts add up to the step, the trace is Chrome trace JSON, the timeline a PNG."""
+"""`launch profile`: the parts add up to the step, the trace is Chrome trace JSON, the timeline
+a PNG."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import json
 import subprocess
 import sys
 
-LAUNCH = [sys.executable, "-c", "import sys; from dist_glm5.launch.cli import launch_main; sys.exit(launch_main())"]
+LAUNCH = [
+    sys.executable,
+    "-c",
+    "import sys; from dist_glm5.launch.cli import launch_main; sys.exit(launch_main())",
+]
 
 
 def check_profile(out_dir, stages: int, ranks: int):
@@ -14,21 +19,77 @@ def check_profile(out_dir, stages: int, ranks: int):
     for kind in ("decode", "prefill"):
         assert sorted(int(s) for s in a[kind]) == list(range(stages)), a[kind].keys()
         for s, r in a[kind].items():
-            parts = sum(r[p] for p in ("experts", "attention", "indexer", "moe_outside", "mlp", "all_reduce",
-                                       "transfer", "sampler", "host", "bubble"))
+            parts = sum(
+                r[p]
+                for p in (
+                    "experts",
+                    "attention",
+                    "indexer",
+                    "moe_outside",
+                    "mlp",
+                    "all_reduce",
+                    "transfer",
+                    "sampler",
+                    "host",
+                    "bubble",
+                )
+            )
             assert abs(parts - r["step"]) <= 0.01 * r["step"] + 0.05, (kind, s, parts, r["step"])
             assert r["ranks"] == ranks and r["experts_slowest"] >= r["experts_mean"] - 1e-9
     trace = json.loads((out_dir / "trace.json").read_text())
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert events and all({"name", "ts", "dur", "pid", "tid"} <= set(e) and e["dur"] >= 0 for e in events)
+    assert events and all(
+        {"name", "ts", "dur", "pid", "tid"} <= set(e) and e["dur"] >= 0 for e in events
+    )
     assert {e["name"] for e in events} >= {"step", "attention", "experts", "indexer", "sampler"}
     for s in range(stages):
         assert (out_dir / f"timeline-stage-{s}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_profile_in_process(tmp_path, default_model_dir):
-    r = subprocess.run([*LAUNCH, "profile", "--ctx", "96", "--batch", "3", "--decode-steps", "6", "--output",
-                        str(tmp_path)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            *LAUNCH,
+            "profile",
+            "--ctx",
+            "96",
+            "--batch",
+            "3",
+            "--decode-steps",
+            "6",
+            "--output",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "ms decode step = experts" in r.stdout and "(slowest rank; mean" in r.stdout
     check_profile(tmp_path, 1, 1)
+
+
+def test_timeline_plot(tmp_path):
+    import matplotlib.image
+
+    from dist_glm5.launch.timeline_plot import plot_timeline
+
+    step = [
+        ("step", 0.0, 0.008, 0),
+        ("recv_wait", 0.0, 0.001, 1),
+        ("attention", 0.001, 0.002, 1),
+        ("indexer", 0.0012, 0.0005, 2),
+        ("moe", 0.003, 0.004, 1),
+        ("experts", 0.0035, 0.003, 2),
+        ("newpart", 0.0075, 0.0005, 1),
+    ]  # a name without a colour of its own gets one
+    spans = {
+        (0, r): [(n, t + 0.01 * k + 0.001 * r, d, dep) for k in range(3) for n, t, d, dep in step]
+        for r in range(2)
+    }
+    one = plot_timeline(tmp_path / "one.png", {(0, 0): spans[(0, 0)]}, "one rank")
+    two = plot_timeline(tmp_path / "two.png", spans, "two ranks")
+    a, b = matplotlib.image.imread(one), matplotlib.image.imread(two)
+    assert a.shape[1] == b.shape[1] >= 1000 and b.shape[0] > a.shape[0]  # a row more, same width
+    assert plot_timeline(tmp_path / "none.png", {(0, 0): []}, "nothing") is None
+    assert not (tmp_path / "none.png").exists()

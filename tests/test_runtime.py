@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runtime_util import coordinator, prompts
 
 from dist_glm5.model.reference_loop import generate
-from dist_glm5.sampling.rejection import verify_draft
 from dist_glm5.sampling.params import SamplingParams
+from dist_glm5.sampling.rejection import verify_draft
 from dist_glm5.stages.worker import StageWorker
-from runtime_util import coordinator, prompts
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 
@@ -22,14 +22,18 @@ def reference(default_model):
 
 
 @pytest.mark.parametrize("mtp", [False, True])
-def test_mixed_lengths_arriving_at_different_times_equal_generate(default_model_dir, reference, mtp):
+def test_mixed_lengths_arriving_at_different_times_equal_generate(
+    default_model_dir, reference, mtp
+):
     ps, want = reference
     c = coordinator(default_model_dir, mtp=mtp)
     out = c.run(ps, GREEDY, arrivals=[0, 1, 3, 8, 20])
     assert [s.output for s in out] == want
     assert all(s.finish_reason == "length" for s in out)
     if mtp:
-        assert c.stats.acceptance is not None  # reported (the embedded model's MTP layer is random: ~0)
+        assert (
+            c.stats.acceptance is not None
+        )  # reported (the embedded model's MTP layer is random: ~0)
 
 
 def test_bfloat16_serving_dtype_equals_generate_in_bfloat16(default_model_dir, reference):
@@ -48,6 +52,7 @@ def test_bfloat16_serving_dtype_equals_generate_in_bfloat16(default_model_dir, r
 class OracleDrafts(StageWorker):
     """Proposes the true next token on even steps and a wrong one on odd steps, so both the accept
     path (draft + bonus, two positions kept) and the reject path (rollback) run."""
+
     truth: dict[int, list[int]] = {}
 
     def propose(self, seq_id, st, mtp_logits):
@@ -70,8 +75,11 @@ def test_mtp_accept_and_reject_paths_keep_greedy_output(default_model_dir, refer
 
 def test_chunked_prefill_and_microbatches_change_nothing(default_model_dir, reference):
     ps, want = reference
-    for sched in ({"chunk_tokens": 7, "microbatches": 1}, {"chunk_tokens": 1000, "microbatches": 4, "max_seqs": 2},
-                  {"step_tokens": 40}):
+    for sched in (
+        {"chunk_tokens": 7, "microbatches": 1},
+        {"chunk_tokens": 1000, "microbatches": 4, "max_seqs": 2},
+        {"step_tokens": 40},
+    ):
         out = coordinator(default_model_dir, **sched).run(ps, GREEDY)
         assert [s.output for s in out] == want, sched
 
@@ -104,7 +112,10 @@ def test_greedy_verification():
 
 def test_sampled_mtp_rows_mixed_with_greedy_rows(default_model_dir, reference):
     ps, want = reference
-    params = [GREEDY, SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)] * 2 + [GREEDY]
+    params = [
+        GREEDY,
+        SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True),
+    ] * 2 + [GREEDY]
     out = coordinator(default_model_dir, mtp=True).run(ps, params)
     for i in (0, 2, 4):
         assert out[i].output == want[i]

@@ -28,7 +28,10 @@ def test_greedy_and_seeded():
     assert sample(logits, [p] * 4, [g1] * 4).tolist() == sample(logits, [p] * 4, [g2] * 4).tolist()
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(top_p=0), dict(top_k=-1), dict(min_p=2), dict(max_tokens=-1)])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(temperature=-0.1), dict(top_p=0), dict(top_k=-1), dict(min_p=2), dict(max_tokens=-1)],
+)
 def test_invalid(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         SamplingParams(**kw)

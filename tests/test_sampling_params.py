@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runtime_util import coordinator, prompts
 
 from dist_glm5.model.reference_loop import full_logits
 from dist_glm5.sampling.params import SamplingParams
-from runtime_util import coordinator, prompts
 
 P = prompts([12, 40], seed=7)
 
@@ -57,7 +57,7 @@ def test_logit_bias(coord):
 def test_stop_token_ids(coord, greedy):
     t = greedy[0][4]
     s = run(coord, stop_token_ids=[t])[0]
-    assert s.output == greedy[0][:greedy[0].index(t) + 1] and s.finish_reason == "stop"
+    assert s.output == greedy[0][: greedy[0].index(t) + 1] and s.finish_reason == "stop"
 
 
 def test_eos_and_min_tokens(coord, default_model):
@@ -73,7 +73,7 @@ def test_bad_words(coord, greedy):
     assert one not in run(coord, bad_words=[[one]])[0].output
     pair = greedy[0][2:4]  # a two-token word: its second token is banned right after its first
     out = run(coord, bad_words=[pair])[0].output
-    assert all(out[i:i + 2] != pair for i in range(len(out) - 1))
+    assert all(out[i : i + 2] != pair for i in range(len(out) - 1))
     assert out[:3] == greedy[0][:3]  # unchanged until the word would appear
 
 
@@ -85,7 +85,9 @@ def test_stop_strings(coord, greedy, default_model_dir):
     stop = text[5:7]
     s = run(coord, stop=[stop])[1]
     assert s.finish_reason == "stop" and stop not in tok.decode(s.output)
-    assert s.output == greedy[1][:len(s.output)] and len(s.output) < len(greedy[1])  # cut where the stop string began
+    assert s.output == greedy[1][: len(s.output)] and len(s.output) < len(
+        greedy[1]
+    )  # cut where the stop string began
 
 
 def test_logprobs_and_prompt_logprobs(coord, default_model):
@@ -98,12 +100,22 @@ def test_logprobs_and_prompt_logprobs(coord, default_model):
         assert [t for t, _ in lp["top"]] == full[n - 1 + i].topk(3).indices.tolist()
     assert len(s.prompt_logprobs) == n - 1
     for i, lp in enumerate(s.prompt_logprobs):
-        assert lp["token"] == s.prompt[i + 1] and abs(lp["logprob"] - full[i, s.prompt[i + 1]].item()) < 1e-4
+        assert (
+            lp["token"] == s.prompt[i + 1]
+            and abs(lp["logprob"] - full[i, s.prompt[i + 1]].item()) < 1e-4
+        )
         assert len(lp["top"]) == 2
 
 
-@pytest.mark.parametrize("kw,needle", [({"temperature": -1}, "temperature"), ({"logprobs": 99}, "logprobs"),
-                                       ({"bad_words": [[]]}, "bad_words"), ({"logit_bias": {999: 1.0}}, "outside")])
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"logprobs": 99}, "logprobs"),
+        ({"bad_words": [[]]}, "bad_words"),
+        ({"logit_bias": {999: 1.0}}, "outside"),
+    ],
+)
 def test_bad_parameters(coord, kw, needle):
     with pytest.raises(ValueError, match=needle):
         coord.add([1, 2, 3], SamplingParams(**kw))

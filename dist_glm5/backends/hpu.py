@@ -8,6 +8,8 @@ def load() -> Backend:
         import habana_frameworks.torch.core  # noqa: F401  (registers the 'hpu' device with torch)
     except ImportError as e:
         raise RuntimeError(
-            "backend 'hpu' needs the Gaudi software stack (habana_frameworks), which is not installed here: "
-            "run on a Gaudi image whose torch build ships it, or choose --backend cpu") from e
+            "backend 'hpu' needs the Gaudi software stack (habana_frameworks), which is not "
+            "installed here: run on a Gaudi image whose torch build ships it, or choose --backend "
+            "cpu"
+        ) from e
     return Backend(name="hpu", device="hpu", dist_backend="hccl")

@@ -20,17 +20,20 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dist_glm5.checkpoint.safetensors_io import Checkpoint, CheckpointError
+from dist_glm5.checkpoint.shards import open_checkpoint
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.glm5 import Glm5Model
 from dist_glm5.model.moe import MXFP4Experts
-from dist_glm5.checkpoint.safetensors_io import Checkpoint, CheckpointError
-from dist_glm5.checkpoint.shards import open_checkpoint
 
 log = logging.getLogger(__name__)
 
-# Tensors a bf16 release may keep in fp32 (transformers keeps them fp32; DeepSeek ships the bias in fp32).
-_FP32_OK = re.compile(r"(mlp\.gate\.weight|mlp\.gate\.e_score_correction_bias|indexer\.weights_proj\.weight|"
-                      r"indexer\.k_norm\.(weight|bias))$")
+# Tensors a bf16 release may keep in fp32 (transformers keeps them fp32; DeepSeek ships the bias in
+# fp32).
+_FP32_OK = re.compile(
+    r"(mlp\.gate\.weight|mlp\.gate\.e_score_correction_bias|indexer\.weights_proj\.weight|"
+    r"indexer\.k_norm\.(weight|bias))$"
+)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _PER_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 MXFP4_EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
@@ -41,21 +44,28 @@ class _Source:
     shape: tuple[int, ...]  # expected shape in the checkpoint
     dtypes: tuple[torch.dtype, ...]  # allowed checkpoint dtypes
     assign: Callable[[torch.Tensor], None]
-    rows: range | list[int] | None = None  # stacked experts: the expert rows needed (the tensor may hold more)
+    rows: range | list[int] | None = (
+        None  # stacked experts: the expert rows needed (the tensor may hold more)
+    )
 
 
 def _dtype_of(cfg: ModelConfig) -> torch.dtype:
     name = cfg.torch_dtype.replace("torch.", "")
     try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            name
+        ]
     except KeyError:
-        raise ValueError(f"config dtype {cfg.torch_dtype!r} is not one of float32, bfloat16, float16") from None
+        raise ValueError(
+            f"config dtype {cfg.torch_dtype!r} is not one of float32, bfloat16, float16"
+        ) from None
 
 
 def _copy_into(dst: torch.Tensor, index=None, rows: slice | None = None):
     def assign(src: torch.Tensor) -> None:
         target = dst if index is None else dst[index]
         target.copy_((src if rows is None else src[rows]).to(dst.dtype))
+
     return assign
 
 
@@ -63,14 +73,18 @@ def _layer_of_module(mname: str) -> int:
     return int(mname.split(".")[2])
 
 
-def local_expert_ids(model: Glm5Model, layer: int, placement: dict[int, list[int]] | None) -> list[int]:
-    """The checkpoint expert ids this model holds in `layer`, in its local order: a contiguous range of
-    expert positions, which a placement maps to any set of experts."""
+def local_expert_ids(
+    model: Glm5Model, layer: int, placement: dict[int, list[int]] | None
+) -> list[int]:
+    """The checkpoint expert ids this model holds in `layer`, in its local order: a contiguous range
+    of expert positions, which a placement maps to any set of experts."""
     perm = (placement or {}).get(layer)
     return [perm[j] for j in model.experts] if perm is not None else list(model.experts)
 
 
-def _expected(model: Glm5Model, ckpt: Checkpoint, placement: dict[int, list[int]] | None = None) -> dict[str, _Source]:
+def _expected(
+    model: Glm5Model, ckpt: Checkpoint, placement: dict[int, list[int]] | None = None
+) -> dict[str, _Source]:
     """Map every checkpoint name the model needs to its shape, allowed dtypes and destination."""
     cfg = model.cfg
     wdt = _dtype_of(cfg)
@@ -88,13 +102,19 @@ def _expected(model: Glm5Model, ckpt: Checkpoint, placement: dict[int, list[int]
         if isinstance(mod, MXFP4Experts):
             for t in MXFP4_EXPERT_TENSORS:
                 buf = getattr(mod, t)
-                out[f"{mname}.routed_experts.{t}"] = _Source(tuple(buf.shape), (torch.uint8,), _copy_into(buf), rows=rows)
+                out[f"{mname}.routed_experts.{t}"] = _Source(
+                    tuple(buf.shape), (torch.uint8,), _copy_into(buf), rows=rows
+                )
             continue
         w13, w2 = mod.w13_weight.data, mod.w2_weight.data
         for e, g in enumerate(ids):
             pre = f"{mname}.{g}"
-            out[f"{pre}.gate_proj.weight"] = _Source((I, H), (wdt,), _copy_into(w13, (e, slice(0, I))))
-            out[f"{pre}.up_proj.weight"] = _Source((I, H), (wdt,), _copy_into(w13, (e, slice(I, 2 * I))))
+            out[f"{pre}.gate_proj.weight"] = _Source(
+                (I, H), (wdt,), _copy_into(w13, (e, slice(0, I)))
+            )
+            out[f"{pre}.up_proj.weight"] = _Source(
+                (I, H), (wdt,), _copy_into(w13, (e, slice(I, 2 * I)))
+            )
             out[f"{pre}.down_proj.weight"] = _Source((H, I), (wdt,), _copy_into(w2, e))
     # Optional per-MTP-layer head and embedding: used when the checkpoint carries them.
     if model.has_mtp:
@@ -102,17 +122,25 @@ def _expected(model: Glm5Model, ckpt: Checkpoint, placement: dict[int, list[int]
             layer = model.mtp_layer(j)
             pre = f"model.layers.{cfg.num_hidden_layers + j}"
             if f"{pre}.shared_head.head.weight" in ckpt:
-                layer.shared_head.head = nn.Linear(H, cfg.vocab_size, bias=False).to(model.dtype).requires_grad_(False)
-                out[f"{pre}.shared_head.head.weight"] = _Source((cfg.vocab_size, H), (wdt,),
-                                                                _copy_into(layer.shared_head.head.weight.data))
+                layer.shared_head.head = (
+                    nn.Linear(H, cfg.vocab_size, bias=False).to(model.dtype).requires_grad_(False)
+                )
+                out[f"{pre}.shared_head.head.weight"] = _Source(
+                    (cfg.vocab_size, H), (wdt,), _copy_into(layer.shared_head.head.weight.data)
+                )
             if f"{pre}.embed_tokens.weight" in ckpt:
-                layer.embed_tokens = nn.Embedding(cfg.vocab_size, H).to(model.dtype).requires_grad_(False)
-                out[f"{pre}.embed_tokens.weight"] = _Source((cfg.vocab_size, H), (wdt,),
-                                                            _copy_into(layer.embed_tokens.weight.data))
+                layer.embed_tokens = (
+                    nn.Embedding(cfg.vocab_size, H).to(model.dtype).requires_grad_(False)
+                )
+                out[f"{pre}.embed_tokens.weight"] = _Source(
+                    (cfg.vocab_size, H), (wdt,), _copy_into(layer.embed_tokens.weight.data)
+                )
     return out
 
 
-def _owned_elsewhere(model: Glm5Model, name: str, placement: dict[int, list[int]] | None = None) -> bool:
+def _owned_elsewhere(
+    model: Glm5Model, name: str, placement: dict[int, list[int]] | None = None
+) -> bool:
     """True for tensors that belong to another pipeline stage or expert-parallel rank."""
     cfg = model.cfg
     m = _LAYER.match(name)
@@ -124,8 +152,12 @@ def _owned_elsewhere(model: Glm5Model, name: str, placement: dict[int, list[int]
         elif i not in model.layer_range:
             return True
     e = _PER_EXPERT.search(name)
-    if e and m and int(e.group(1)) < cfg.n_routed_experts and \
-            int(e.group(1)) not in local_expert_ids(model, int(m.group(1)), placement):
+    if (
+        e
+        and m
+        and int(e.group(1)) < cfg.n_routed_experts
+        and int(e.group(1)) not in local_expert_ids(model, int(m.group(1)), placement)
+    ):
         return True  # another expert-parallel rank's expert
     if name.startswith("model.embed_tokens."):
         return model.model.embed_tokens is None
@@ -134,16 +166,25 @@ def _owned_elsewhere(model: Glm5Model, name: str, placement: dict[int, list[int]
     return False
 
 
-def check_checkpoint(model: Glm5Model, ckpt: Checkpoint, where: str | Path,
-                     placement: dict[int, list[int]] | None = None) -> dict[str, _Source]:
-    """Compare the checkpoint's headers with what `model` needs, in both directions; raise listing every problem."""
+def check_checkpoint(
+    model: Glm5Model,
+    ckpt: Checkpoint,
+    where: str | Path,
+    placement: dict[int, list[int]] | None = None,
+) -> dict[str, _Source]:
+    """Compare the checkpoint's headers with what `model` needs, in both directions; raise listing
+    every problem."""
     q = model.cfg.quantization_config or {}
     if q.get("quant_method") == "quark":
-        raise CheckpointError(f"{where} is an AMD Quark checkpoint: repack it into the serving layout first with "
-                              f"`dist-glm5 convert glm52 --src {where} --dst DIR`")
+        raise CheckpointError(
+            f"{where} is an AMD Quark checkpoint: repack it into the serving layout first with "
+            f"`dist-glm5 convert glm52 --src {where} --dst DIR`"
+        )
     if q and model.cfg.experts_format == "float":
-        raise CheckpointError(f"{where}: quantization_config {q.get('quant_method')!r} is not served; "
-                              "serve the BF16 release converted with `dist-glm5 convert glm53`")
+        raise CheckpointError(
+            f"{where}: quantization_config {q.get('quant_method')!r} is not served; "
+            "serve the BF16 release converted with `dist-glm5 convert glm53`"
+        )
     expected = _expected(model, ckpt, placement)
     have = set(ckpt.names())
     missing = sorted(set(expected) - have)
@@ -152,38 +193,61 @@ def check_checkpoint(model: Glm5Model, ckpt: Checkpoint, where: str | Path,
     if missing:
         problems.append(f"{len(missing)} tensor(s) the model needs are missing: {_show(missing)}")
     if unused:
-        problems.append(f"{len(unused)} tensor(s) in the checkpoint are not used by the model "
-                        f"(misnamed, or from another architecture/config): {_show(unused)}")
+        problems.append(
+            f"{len(unused)} tensor(s) in the checkpoint are not used by the model "
+            f"(misnamed, or from another architecture/config): {_show(unused)}"
+        )
     for name in sorted(set(expected) & have):
         info = ckpt.info(name)
         src = expected[name]
-        if src.rows is not None:  # stacked experts: the checkpoint's rows must cover this rank's experts
+        if (
+            src.rows is not None
+        ):  # stacked experts: the checkpoint's rows must cover this rank's experts
             off = ckpt.row_offset(name) if hasattr(ckpt, "row_offset") else 0
             held = range(off, off + (info.shape[0] if info.shape else 0))
-            if info.shape[1:] != src.shape[1:] or not all(r in held for r in (src.rows if isinstance(src.rows, list)
-                                                                                 else (src.rows.start, src.rows.stop - 1))):
-                problems.append(f"tensor {name} has shape {list(info.shape)} holding experts {held.start}..{held.stop - 1}, "
-                                f"expected [*, {', '.join(map(str, src.shape[1:]))}] covering experts "
-                                f"{min(src.rows)}..{max(src.rows)}")
+            if info.shape[1:] != src.shape[1:] or not all(
+                r in held
+                for r in (
+                    src.rows if isinstance(src.rows, list) else (src.rows.start, src.rows.stop - 1)
+                )
+            ):
+                problems.append(
+                    f"tensor {name} has shape {list(info.shape)} holding experts "
+                    f"{held.start}..{held.stop - 1}, expected [*, "
+                    f"{', '.join(map(str, src.shape[1:]))}] covering experts "
+                    f"{min(src.rows)}..{max(src.rows)}"
+                )
             elif isinstance(src.rows, list):
                 src.rows = [r - off for r in src.rows]
             else:
                 src.rows = range(src.rows.start - off, src.rows.stop - off)
         elif info.shape != src.shape:
-            problems.append(f"tensor {name} has shape {list(info.shape)}, expected {list(src.shape)}")
+            problems.append(
+                f"tensor {name} has shape {list(info.shape)}, expected {list(src.shape)}"
+            )
         if info.dtype not in src.dtypes:
             want = " or ".join(str(d) for d in src.dtypes)
-            problems.append(f"tensor {name} has dtype {info.dtype}, expected {want} (config dtype {model.cfg.torch_dtype})")
+            problems.append(
+                f"tensor {name} has dtype {info.dtype}, expected {want} (config dtype "
+                f"{model.cfg.torch_dtype})"
+            )
     if problems:
-        raise CheckpointError(f"checkpoint {where} does not match the config:\n  - " + "\n  - ".join(problems))
+        raise CheckpointError(
+            f"checkpoint {where} does not match the config:\n  - " + "\n  - ".join(problems)
+        )
     return expected
 
 
-def load_checkpoint(model: Glm5Model, directory: str | Path, shard: tuple[int | None, int | None] = (None, None),
-                    placement: dict[int, list[int]] | None = None) -> dict[str, int]:
+def load_checkpoint(
+    model: Glm5Model,
+    directory: str | Path,
+    shard: tuple[int | None, int | None] = (None, None),
+    placement: dict[int, list[int]] | None = None,
+) -> dict[str, int]:
     """Fill every weight of `model` from `directory` (plain, or sharded: `shard` = (stage, ep_rank)
     selects the part to open); return counts of what was loaded. With a placement (per MoE layer,
-    the checkpoint expert id at each expert position), experts and router rows are loaded permuted."""
+    the checkpoint expert id at each expert position), experts and router rows are loaded
+    permuted."""
     ckpt = open_checkpoint(directory, *shard)
     expected = check_checkpoint(model, ckpt, directory, placement)
     with torch.no_grad():
@@ -192,17 +256,26 @@ def load_checkpoint(model: Glm5Model, directory: str | Path, shard: tuple[int | 
             if isinstance(src.rows, list):
                 t = t.index_select(0, torch.tensor(src.rows))
             elif src.rows is not None:
-                t = t[src.rows.start:src.rows.stop]
+                t = t[src.rows.start : src.rows.stop]
             src.assign(t)
-        for layer, perm in (placement or {}).items():  # the router now names expert positions, not ids
+        for layer, perm in (
+            placement or {}
+        ).items():  # the router now names expert positions, not ids
             key = str(layer)
             if key in model.model.layers and hasattr(model.model.layers[key].mlp, "gate"):
                 gate = model.model.layers[key].mlp.gate
                 idx = torch.tensor(perm)
                 gate.weight.data = gate.weight.data[idx].contiguous()
-                gate.e_score_correction_bias.data = gate.e_score_correction_bias.data[idx].contiguous()
+                gate.e_score_correction_bias.data = gate.e_score_correction_bias.data[
+                    idx
+                ].contiguous()
     skipped = len(ckpt.names()) - len(expected)
-    log.info("loaded %d tensors (%d skipped as owned by other stages) from %s", len(expected), skipped, directory)
+    log.info(
+        "loaded %d tensors (%d skipped as owned by other stages) from %s",
+        len(expected),
+        skipped,
+        directory,
+    )
     return {"loaded": len(expected), "other_stages": skipped}
 
 
@@ -221,7 +294,10 @@ class _skip_init:
     """Build modules without random-initialising weights the checkpoint overwrites anyway."""
 
     def __enter__(self):
-        self._saved = [(nn.Linear, nn.Linear.reset_parameters), (nn.Embedding, nn.Embedding.reset_parameters)]
+        self._saved = [
+            (nn.Linear, nn.Linear.reset_parameters),
+            (nn.Embedding, nn.Embedding.reset_parameters),
+        ]
         for cls, _ in self._saved:
             cls.reset_parameters = lambda self: None
 
@@ -230,8 +306,13 @@ class _skip_init:
             cls.reset_parameters = fn
 
 
-def load_model(directory: str | Path, dtype: torch.dtype | None = None, shard: tuple[int | None, int | None] = (None, None),
-               placement: dict[int, list[int]] | None = None, **stage) -> Glm5Model:
+def load_model(
+    directory: str | Path,
+    dtype: torch.dtype | None = None,
+    shard: tuple[int | None, int | None] = (None, None),
+    placement: dict[int, list[int]] | None = None,
+    **stage,
+) -> Glm5Model:
     """Config + weights from a checkpoint directory. dtype: compute dtype (default: the config's).
     `stage` keywords (layers=, experts=, ...) build one pipeline stage / EP rank of the model."""
     cfg = ModelConfig.from_hf(directory)

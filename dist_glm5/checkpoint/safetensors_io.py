@@ -1,6 +1,6 @@
 """Safetensors checkpoints: read with `safetensors.safe_open` (lazy, mmap), written streaming.
 
-Ours beyond the library: pread copies off the mmap, errors naming file+tensor+fix, atomic streaming.
+Ours (safetensors lacks them): pread reads off the mmap, errors naming the tensor, streaming writes.
 """
 
 from __future__ import annotations
@@ -120,12 +120,12 @@ class SafeTensorsFile:
         self._fd = open(self.path, "rb")
 
     def get(self, name: str) -> torch.Tensor:
-        info = self.tensors[name]  # KeyError for a name the file does not hold, as a dict would
+        self.tensors[name]  # KeyError for a name the file does not hold, as a dict would
         try:
             return self._st.get_tensor(name)
         except SafetensorError as e:
-            raise CheckpointError(f"{self.path}: tensor {name!r} of {info.dtype} could not be read "
-                                  f"({e})") from None
+            raise CheckpointError(f"{self.path}: tensor {name!r} could not be read ({e}); {_FIX}"
+                                  ) from None
 
     def read(self, name: str, rows: range | None = None) -> torch.Tensor:
         """A private copy read with pread, not the mapping: streaming converters use this so that
@@ -172,7 +172,8 @@ class Checkpoint:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
             weight_map = None
         if not files and weight_map is None:
-            raise CheckpointError(f"{self.dir}: no *.safetensors files: is this a checkpoint directory?")
+            raise CheckpointError(f"{self.dir}: no *.safetensors files: is this a checkpoint "
+                                  f"directory?")
         self.files: dict[str, SafeTensorsFile] = {}
         self.where: dict[str, SafeTensorsFile] = {}
         for fn in files:
@@ -183,15 +184,18 @@ class Checkpoint:
             self.files[fn] = f
             for name in f.tensors:
                 if name in self.where:
-                    raise CheckpointError(f"{self.dir}: tensor {name!r} appears in both {self.where[name].path.name} and {fn}")
+                    raise CheckpointError(f"{self.dir}: tensor {name!r} appears in both "
+                                          f"{self.where[name].path.name} and {fn}")
                 self.where[name] = f
         if weight_map is not None:
             for name, fn in weight_map.items():
                 if name not in self.where or self.where[name].path.name != fn:
-                    raise CheckpointError(f"{index}: maps {name!r} to {fn}, but that file does not hold it")
+                    raise CheckpointError(f"{index}: maps {name!r} to {fn}, but that file does "
+                                          f"not hold it")
             stray = sorted(set(self.where) - set(weight_map))
             if stray:
-                raise CheckpointError(f"{index}: tensors in the files but not in the index: {stray[:10]}")
+                raise CheckpointError(f"{index}: tensors in the files but not in the index: "
+                                      f"{stray[:10]}")
 
     def names(self) -> list[str]:
         return sorted(self.where)
@@ -209,7 +213,8 @@ class Checkpoint:
         return name in self.where
 
 
-def _header_bytes(items: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None) -> bytes:
+def _header_bytes(items: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                  metadata: dict[str, str] | None) -> bytes:
     header: dict = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -218,14 +223,16 @@ def _header_bytes(items: list[tuple[str, torch.dtype, tuple[int, ...]]], metadat
         n = dtype.itemsize
         for s in shape:
             n *= s
-        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [off, off + n]}
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # align data to 8 bytes like the reference writer
     return struct.pack("<Q", len(raw)) + raw
 
 
-def save_streaming(path: str | Path, tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
+def save_streaming(path: str | Path,
+                   tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
                    metadata: dict[str, str] | None = None,
                    plan: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None) -> Path:
     """Write a safetensors file atomically (temp name, fsync, rename).
@@ -250,14 +257,17 @@ def save_streaming(path: str | Path, tensors: Iterable[tuple[str, torch.Tensor]]
                     raise ValueError(f"save_streaming: expected tensor {name}, got {got_name}")
                 want = dtype.itemsize * math.prod(shape)
                 wrote = 0
-                for part in ([t] if isinstance(t, torch.Tensor) else t):  # a tensor, or its parts in order
+                # a tensor, or its parts in order
+                for part in ([t] if isinstance(t, torch.Tensor) else t):
                     if part.dtype != dtype:
-                        raise ValueError(f"save_streaming: {name} part has dtype {part.dtype}, expected {dtype}")
+                        raise ValueError(f"save_streaming: {name} part has dtype {part.dtype}, "
+                                         f"expected {dtype}")
                     if part.numel():
                         f.write(memoryview(part.contiguous().reshape(-1).view(torch.uint8).numpy()))
                     wrote += part.numel() * part.element_size()
                 if wrote != want or (isinstance(t, torch.Tensor) and tuple(t.shape) != shape):
-                    raise ValueError(f"save_streaming: {name} got {wrote} bytes, expected {want} for shape {list(shape)}")
+                    raise ValueError(f"save_streaming: {name} got {wrote} bytes, expected {want} "
+                                     f"for shape {list(shape)}")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -53,7 +53,9 @@ class ShardedCheckpoint:
         try:
             self.meta = json.loads((self.root / SHARDS_FILE).read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{self.root}/{SHARDS_FILE} is missing or invalid ({e}): not a sharded checkpoint") from None
+            raise CheckpointError(
+                f"{self.root}/{SHARDS_FILE} is missing or invalid ({e}): not a sharded checkpoint"
+            ) from None
         S, E = self.meta["stages"], self.meta["ep"]
         stages = range(S) if stage is None else [stage]
         ranks = range(E) if ep_rank is None else [ep_rank]
@@ -62,7 +64,9 @@ class ShardedCheckpoint:
         if ep_rank is not None and not 0 <= ep_rank < E:
             raise CheckpointError(f"{self.root} has EP ranks 0..{E - 1}, not {ep_rank}")
         self.plain: dict[str, Checkpoint] = {}
-        self.stacked: dict[str, list[tuple[int, Checkpoint]]] = {}  # name -> [(first expert, ckpt)] by rank
+        self.stacked: dict[
+            str, list[tuple[int, Checkpoint]]
+        ] = {}  # name -> [(first expert, ckpt)] by rank
         for s in stages:
             common = Checkpoint(stage_dir(self.root, s))
             for n in common.names():
@@ -108,5 +112,8 @@ def open_checkpoint(path: str | Path, stage: int | None = None, ep_rank: int | N
     if is_sharded(path):
         return ShardedCheckpoint(path, stage, ep_rank)
     if stage is not None or ep_rank is not None:
-        raise CheckpointError(f"{path} is not sharded (no {SHARDS_FILE}); a stage or rank selection needs `convert shard` output")
+        raise CheckpointError(
+            f"{path} is not sharded (no {SHARDS_FILE}); a stage or rank selection needs `convert "
+            "shard` output"
+        )
     return Checkpoint(path)

@@ -18,7 +18,8 @@ MODEL_TYPE = "glm_moe_dsa"
 ROPE_TYPES = ("default", "linear", "yarn")
 INDEXER_TYPES = ("full", "shared")
 MLP_LAYER_TYPES = ("dense", "sparse")
-# quantization_config.quant_method of checkpoints our converters write (routed experts in fused MXFP4)
+# quantization_config.quant_method of checkpoints our converters write (routed experts in fused
+# MXFP4)
 SERVING_QUANT_METHOD = "dist_glm5"
 
 
@@ -74,7 +75,8 @@ class ModelConfig:
     mlp_layer_types: tuple[str, ...] = ()
     indexer_types: tuple[str, ...] = ()
     num_nextn_predict_layers: int = 0
-    # GLM rotates interleaved pairs (x0,x1),(x2,x3)...; DeepSeek-V3.2 rotates halves. Read, never assume.
+    # GLM rotates interleaved pairs (x0,x1),(x2,x3)...; DeepSeek-V3.2 rotates halves. Read, never
+    # assume.
     rope_interleave: bool = True
     indexer_rope_interleave: bool = True
     torch_dtype: str = "bfloat16"
@@ -101,7 +103,8 @@ class ModelConfig:
 
     @property
     def experts_format(self) -> str:
-        """'mxfp4' when routed experts are stored in our fused MXFP4 serving layout, else 'float'."""
+        """'mxfp4' when routed experts are stored in our fused MXFP4 serving layout, else
+        'float'."""
         q = self.quantization_config or {}
         if q.get("quant_method") == SERVING_QUANT_METHOD:
             return q.get("format", "mxfp4")
@@ -140,9 +143,9 @@ class ModelConfig:
 
         positive = (
             "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers "
-            "num_attention_heads n_routed_experts kv_lora_rank q_lora_rank qk_rope_head_dim v_head_dim "
-            "qk_nope_head_dim n_group topk_group num_experts_per_tok max_position_embeddings index_topk "
-            "index_head_dim index_n_heads"
+            "num_attention_heads n_routed_experts kv_lora_rank q_lora_rank qk_rope_head_dim "
+            "v_head_dim qk_nope_head_dim n_group topk_group num_experts_per_tok "
+            "max_position_embeddings index_topk index_head_dim index_n_heads"
         ).split()
         for name in positive:
             v = getattr(self, name)
@@ -155,36 +158,72 @@ class ModelConfig:
         if self.hidden_act != "silu":
             raise bad("hidden_act", self.hidden_act, "only 'silu' is supported")
         if self.qk_rope_head_dim % 2:
-            raise bad("qk_rope_head_dim", self.qk_rope_head_dim, "must be even (RoPE rotates pairs)")
+            raise bad(
+                "qk_rope_head_dim", self.qk_rope_head_dim, "must be even (RoPE rotates pairs)"
+            )
         if self.index_head_dim < self.qk_rope_head_dim:
-            raise bad("index_head_dim", self.index_head_dim, f"must be >= qk_rope_head_dim={self.qk_rope_head_dim}")
+            raise bad(
+                "index_head_dim",
+                self.index_head_dim,
+                f"must be >= qk_rope_head_dim={self.qk_rope_head_dim}",
+            )
         if self.num_key_value_heads != self.num_attention_heads:
-            raise bad("num_key_value_heads", self.num_key_value_heads,
-                      f"MLA expands one latent into every head; must equal num_attention_heads={self.num_attention_heads}")
+            raise bad(
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                "MLA expands one latent into every head; must equal "
+                f"num_attention_heads={self.num_attention_heads}",
+            )
         if self.n_routed_experts % self.n_group:
-            raise bad("n_group", self.n_group, f"must divide n_routed_experts={self.n_routed_experts}")
+            raise bad(
+                "n_group", self.n_group, f"must divide n_routed_experts={self.n_routed_experts}"
+            )
         if self.n_routed_experts // self.n_group < 2:
-            raise bad("n_group", self.n_group, "groups are scored by their top-2 experts: each group needs >= 2 experts")
+            raise bad(
+                "n_group",
+                self.n_group,
+                "groups are scored by their top-2 experts: each group needs >= 2 experts",
+            )
         if not 1 <= self.topk_group <= self.n_group:
             raise bad("topk_group", self.topk_group, f"must be in 1..n_group={self.n_group}")
         per_group = self.n_routed_experts // self.n_group
         if self.num_experts_per_tok > self.topk_group * per_group:
-            raise bad("num_experts_per_tok", self.num_experts_per_tok,
-                      f"must be <= topk_group * experts per group = {self.topk_group * per_group}")
-        if not (isinstance(self.routed_scaling_factor, (int, float)) and math.isfinite(self.routed_scaling_factor)):
-            raise bad("routed_scaling_factor", self.routed_scaling_factor, "must be a finite number")
+            raise bad(
+                "num_experts_per_tok",
+                self.num_experts_per_tok,
+                f"must be <= topk_group * experts per group = {self.topk_group * per_group}",
+            )
+        if not (
+            isinstance(self.routed_scaling_factor, (int, float))
+            and math.isfinite(self.routed_scaling_factor)
+        ):
+            raise bad(
+                "routed_scaling_factor", self.routed_scaling_factor, "must be a finite number"
+            )
         if not (self.rms_norm_eps > 0):
             raise bad("rms_norm_eps", self.rms_norm_eps, "must be > 0")
         n = self.num_hidden_layers
-        if len(self.mlp_layer_types) != n or any(t not in MLP_LAYER_TYPES for t in self.mlp_layer_types):
-            raise bad("mlp_layer_types", list(self.mlp_layer_types),
-                      f"must list {n} entries (one per layer), each one of {MLP_LAYER_TYPES}")
+        if len(self.mlp_layer_types) != n or any(
+            t not in MLP_LAYER_TYPES for t in self.mlp_layer_types
+        ):
+            raise bad(
+                "mlp_layer_types",
+                list(self.mlp_layer_types),
+                f"must list {n} entries (one per layer), each one of {MLP_LAYER_TYPES}",
+            )
         if len(self.indexer_types) != n or any(t not in INDEXER_TYPES for t in self.indexer_types):
-            raise bad("indexer_types", list(self.indexer_types),
-                      f"must list {n} entries (one per layer), each one of {INDEXER_TYPES}")
+            raise bad(
+                "indexer_types",
+                list(self.indexer_types),
+                f"must list {n} entries (one per layer), each one of {INDEXER_TYPES}",
+            )
         if self.indexer_types[0] != "full":
-            raise bad("indexer_types", list(self.indexer_types),
-                      "layer 0 must be 'full': a 'shared' layer reuses the previous full layer's selection")
+            raise bad(
+                "indexer_types",
+                list(self.indexer_types),
+                "layer 0 must be 'full': a 'shared' layer reuses the previous full layer's "
+                "selection",
+            )
         r = self.rope
         if r.type not in ROPE_TYPES:
             raise bad("rope_parameters.rope_type", r.type, f"supported: {ROPE_TYPES}")
@@ -193,17 +232,31 @@ class ModelConfig:
         if r.type == "linear" and not (r.factor and r.factor > 0):
             raise bad("rope_parameters.factor", r.factor, "linear rope needs a factor > 0")
         if r.type == "yarn" and r.factor is None and r.original_max_position_embeddings is None:
-            raise bad("rope_parameters.factor", r.factor, "yarn rope needs factor or original_max_position_embeddings")
+            raise bad(
+                "rope_parameters.factor",
+                r.factor,
+                "yarn rope needs factor or original_max_position_embeddings",
+            )
         q = self.quantization_config
         if q is not None and not isinstance(q, dict):
             raise bad("quantization_config", q, "must be a JSON object")
-        if q and q.get("quant_method") == SERVING_QUANT_METHOD and q.get("format", "mxfp4") != "mxfp4":
+        if (
+            q
+            and q.get("quant_method") == SERVING_QUANT_METHOD
+            and q.get("format", "mxfp4") != "mxfp4"
+        ):
             raise bad("quantization_config.format", q.get("format"), "only 'mxfp4' is served")
         if q and q.get("quant_method") not in (None, SERVING_QUANT_METHOD):
-            pass  # e.g. Quark's or the FP8 release's: readable for planning; the loader says what it can serve
+            # e.g. Quark's or the FP8 release's: readable for planning; the loader says what it can
+            # serve
+            pass
         for tid in self.eos_token_id:
             if not 0 <= tid < self.vocab_size:
-                raise bad("eos_token_id", list(self.eos_token_id), f"ids must be in 0..vocab_size-1={self.vocab_size - 1}")
+                raise bad(
+                    "eos_token_id",
+                    list(self.eos_token_id),
+                    f"ids must be in 0..vocab_size-1={self.vocab_size - 1}",
+                )
 
     @classmethod
     def from_hf(cls, src: str | Path | dict) -> "ModelConfig":
@@ -216,7 +269,9 @@ class ModelConfig:
             if p.is_dir():
                 p = p / "config.json"
             if not p.is_file():
-                raise ValueError(f"no config.json at {p}: pass a checkpoint directory that holds one")
+                raise ValueError(
+                    f"no config.json at {p}: pass a checkpoint directory that holds one"
+                )
             try:
                 d = json.loads(p.read_text())
             except json.JSONDecodeError as e:
@@ -224,14 +279,20 @@ class ModelConfig:
             where = str(p)
         mt = d.get("model_type")
         if mt is not None and mt != MODEL_TYPE:
-            raise ValueError(f"{where}: model_type={mt!r}, expected {MODEL_TYPE!r} (a GLM-5 family checkpoint)")
+            raise ValueError(
+                f"{where}: model_type={mt!r}, expected {MODEL_TYPE!r} (a GLM-5 family checkpoint)"
+            )
 
         known = {f.name for f in fields(cls)}
-        kw: dict[str, Any] = {k: d[k] for k in known if k in d and k not in ("rope", "eos_token_id", "torch_dtype")}
+        kw: dict[str, Any] = {
+            k: d[k] for k in known if k in d and k not in ("rope", "eos_token_id", "torch_dtype")
+        }
         if "num_experts" in d and "n_routed_experts" not in d:
             kw["n_routed_experts"] = d["num_experts"]
         eos = d.get("eos_token_id", 1)
-        kw["eos_token_id"] = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        kw["eos_token_id"] = (
+            tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        )
         kw["torch_dtype"] = str(d.get("dtype") or d.get("torch_dtype") or "bfloat16")
         for k in ("mlp_layer_types", "indexer_types"):
             if d.get(k) is not None:
@@ -242,13 +303,17 @@ class ModelConfig:
             pattern = d.get("index_topk_pattern")
             n = int(d.get("num_hidden_layers", cls.num_hidden_layers))
             if pattern is not None:
-                kw["indexer_types"] = tuple({"F": "full", "S": "shared"}[c] for c in pattern) \
-                    if isinstance(pattern, str) else tuple(pattern)
+                kw["indexer_types"] = (
+                    tuple({"F": "full", "S": "shared"}[c] for c in pattern)
+                    if isinstance(pattern, str)
+                    else tuple(pattern)
+                )
             elif "index_topk_freq" in d or "index_skip_topk_offset" in d:
                 freq = max(int(d.get("index_topk_freq", 1)), 1)
                 offset = int(d.get("index_skip_topk_offset", 2))
                 kw["indexer_types"] = tuple(
-                    "full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(n))
+                    "full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(n)
+                )
         kw["rope"] = _read_rope(d)
         try:
             return cls(**kw)
@@ -278,17 +343,30 @@ def _read_rope(d: dict) -> RopeConfig:
     if rtype == "yarn" and omp is None:
         omp = d.get("original_max_position_embeddings", d.get("max_position_embeddings"))
     return RopeConfig(
-        theta=float(theta), type=rtype, factor=rp.get("factor"), original_max_position_embeddings=omp,
-        beta_fast=rp.get("beta_fast"), beta_slow=rp.get("beta_slow"), mscale=rp.get("mscale"),
-        mscale_all_dim=rp.get("mscale_all_dim"), attention_factor=rp.get("attention_factor"),
+        theta=float(theta),
+        type=rtype,
+        factor=rp.get("factor"),
+        original_max_position_embeddings=omp,
+        beta_fast=rp.get("beta_fast"),
+        beta_slow=rp.get("beta_slow"),
+        mscale=rp.get("mscale"),
+        mscale_all_dim=rp.get("mscale_all_dim"),
+        attention_factor=rp.get("attention_factor"),
         truncate=bool(rp.get("truncate", True)),
     )
 
 
 def _rope_to_hf(r: RopeConfig) -> dict:
     out: dict[str, Any] = {"rope_theta": r.theta, "rope_type": r.type}
-    for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-              "mscale_all_dim", "attention_factor"):
+    for k in (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+    ):
         v = getattr(r, k)
         if v is not None:
             out[k] = v

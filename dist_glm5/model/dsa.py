@@ -7,9 +7,10 @@
   (the indexer itself still scans every key once).
 - Prefill: per window of `window` neighbouring queries, the union of their selected keys is gathered
   once; when that union exceeds `union_max_frac` of the context, the window attends densely over all
-  keys with the selection as a mask; contexts of at most `dense_threshold` keys always attend densely.
-  Dense or sparse, attention runs over key chunks with an online softmax (fp32 statistics), so no
-  gather exceeds `gather_cap_bytes` and no [queries, context] score matrix is materialised at once.
+  keys with the selection as a mask; contexts of at most `dense_threshold` keys always attend
+  densely. Dense or sparse, attention runs over key chunks with an online softmax (fp32 statistics),
+  so no gather exceeds `gather_cap_bytes` and no [queries, context] score matrix is materialised at
+  once.
 - Every gather goes through `capped_chunks`: calls of at most `gather_cap_bytes` each.
 A fully masked row cannot occur (a query always keeps at least itself), and padded rows of a batch
 repeat a real query, so no row computes 0/0.
@@ -17,7 +18,6 @@ repeat a real query, so no row computes 0/0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -36,34 +36,50 @@ GATHER_LOG: list[int] | None = None
 def capped_chunks(n_rows: int, row_bytes: int, cap: int) -> list[tuple[int, int]]:
     """Split n_rows into contiguous calls of at most `cap` bytes (at least one row per call)."""
     if row_bytes > cap:
-        raise ValueError(f"one row of {row_bytes} bytes exceeds the gather cap of {cap} bytes: raise gather_cap_bytes")
+        raise ValueError(
+            f"one row of {row_bytes} bytes exceeds the gather cap of {cap} bytes: raise "
+            "gather_cap_bytes"
+        )
     per = max(1, cap // max(row_bytes, 1))
     return [(a, min(n_rows, a + per)) for a in range(0, n_rows, per)]
 
 
 def gather_rows(store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """One gather call: store [S, D] rows at slots [...] -> [..., D]; callers keep it under the cap."""
+    """One gather call: store [S, D] rows at slots [...] -> [..., D]; callers keep it under the
+    cap."""
     if GATHER_LOG is not None:
         GATHER_LOG.append(slots.numel() * store.shape[1] * store.element_size())
     return store[slots]
 
 
-def index_scores_capped(q: torch.Tensor, w: torch.Tensor, idx_store: torch.Tensor, slots: torch.Tensor,
-                        head_dim: int, cap: int) -> torch.Tensor:
-    """q [n, Hi, D], w [n, Hi] fp32, slots [L] -> scores [n, L] fp32, keys gathered in capped chunks."""
+def index_scores_capped(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    idx_store: torch.Tensor,
+    slots: torch.Tensor,
+    head_dim: int,
+    cap: int,
+) -> torch.Tensor:
+    """q [n, Hi, D], w [n, Hi] fp32, slots [L] -> scores [n, L] fp32, keys gathered in capped
+    chunks."""
     n, L = q.shape[0], slots.shape[0]
     out = torch.empty(n, L, dtype=torch.float32)
-    for a, b in index_key_chunks(n, q.shape[1], L, idx_store.shape[1] * idx_store.element_size(), cap):
+    for a, b in index_key_chunks(
+        n, q.shape[1], L, idx_store.shape[1] * idx_store.element_size(), cap
+    ):
         out[:, a:b] = index_scores(q, w, gather_rows(idx_store, slots[a:b]), head_dim)
     return out
 
 
 def score_rows(cfg: DSAConfig, L: int) -> int:
-    """Query rows scored at once: their fp32 scores, int32 order keys and masks stay under the cap."""
+    """Query rows scored at once: their fp32 scores, int32 order keys and masks stay under the
+    cap."""
     return max(1, min(cfg.indexer_row_chunk, cfg.gather_cap_bytes // (L * 9)))
 
 
-def attn_key_chunks(n: int, heads: int, K: int, width: int, itemsize: int, cap: int) -> list[tuple[int, int]]:
+def attn_key_chunks(
+    n: int, heads: int, K: int, width: int, itemsize: int, cap: int
+) -> list[tuple[int, int]]:
     """Key chunks for n queries x heads: the gather ([chunk, width] stored), its fp32 copy and the
     [n, heads, chunk] fp32 scores and probabilities each stay under the cap."""
     per_key = max(width * max(itemsize, 4), n * heads * 4)
@@ -71,20 +87,31 @@ def attn_key_chunks(n: int, heads: int, K: int, width: int, itemsize: int, cap: 
 
 
 def decode_row_bytes(k: int, heads: int, width: int, itemsize: int) -> int:
-    """Bytes per query row in the decode form: its k gathered rows (and their fp32 copy) or its scores."""
+    """Bytes per query row in the decode form: its k gathered rows (and their fp32 copy) or its
+    scores."""
     return max(k * width * max(itemsize, 4), heads * k * 4)
 
 
 def index_key_chunks(n: int, heads: int, L: int, row_bytes: int, cap: int) -> list[tuple[int, int]]:
-    """Key chunks for scoring n query rows: the gather and the [n, heads, chunk] fp32 buffer both under the cap."""
+    """Key chunks for scoring n query rows: the gather and the [n, heads, chunk] fp32 buffer both
+    under the cap."""
     per = max(1, min(cap // row_bytes, cap // max(1, n * heads * 4)))
     return [(a, min(L, a + per)) for a in range(0, L, per)]
 
 
-def select(q: torch.Tensor, w: torch.Tensor, idx_store: torch.Tensor, slots: torch.Tensor, q_pos: torch.Tensor,
-           topk: int, head_dim: int, cfg: DSAConfig,
-           row_split: tuple[int, int, Callable] | None = None) -> torch.Tensor:
-    """Keep-mask [n, L] for n query rows over the L keys at `slots` (bisection top-k, capped gathers).
+def select(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    idx_store: torch.Tensor,
+    slots: torch.Tensor,
+    q_pos: torch.Tensor,
+    topk: int,
+    head_dim: int,
+    cfg: DSAConfig,
+    row_split: tuple[int, int, Callable] | None = None,
+) -> torch.Tensor:
+    """Keep-mask [n, L] for n query rows over the L keys at `slots` (bisection top-k, capped
+    gathers).
 
     row_split = (rank, ranks, all_gather_packed): each rank scores its share of the rows and the
     ranks exchange bit-packed masks, so every rank ends with all rows' selections."""
@@ -99,14 +126,22 @@ def select(q: torch.Tensor, w: torch.Tensor, idx_store: torch.Tensor, slots: tor
     for a in range(rows.start, rows.stop, step):
         b = min(rows.stop, a + step)
         s = index_scores_capped(q[a:b], w[a:b], idx_store, slots, head_dim, cfg.gather_cap_bytes)
-        keep[a - rows.start:b - rows.start] = select_topk_bisect(s, q_pos[a:b], topk)
+        keep[a - rows.start : b - rows.start] = select_topk_bisect(s, q_pos[a:b], topk)
     if row_split is not None:
         keep = exchange(keep, n, L)
     return keep
 
 
-def attend_absorbed_chunked(q_lat: torch.Tensor, q_rot: torch.Tensor, kv_store: torch.Tensor, slots: torch.Tensor,
-                            mask: torch.Tensor, kv_lora: int, scale: float, cap: int) -> torch.Tensor:
+def attend_absorbed_chunked(
+    q_lat: torch.Tensor,
+    q_rot: torch.Tensor,
+    kv_store: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    kv_lora: int,
+    scale: float,
+    cap: int,
+) -> torch.Tensor:
     """Absorbed MLA over candidate keys, online softmax across capped key chunks.
 
     q_lat [n, h, c] (q_nope folded through W_uk), q_rot [n, h, r], slots [K] candidate key slots,
@@ -115,13 +150,20 @@ def attend_absorbed_chunked(q_lat: torch.Tensor, q_rot: torch.Tensor, kv_store: 
     m = torch.full((n, h), float("-inf"))
     den = torch.zeros(n, h)
     acc = torch.zeros(n, h, c)
-    for a, b in attn_key_chunks(n, h, slots.shape[0], kv_store.shape[1], kv_store.element_size(), cap):
+    for a, b in attn_key_chunks(
+        n, h, slots.shape[0], kv_store.shape[1], kv_store.element_size(), cap
+    ):
         rows = gather_rows(kv_store, slots[a:b]).float()  # [k, c + r]
         lat, kr = rows[:, :kv_lora], rows[:, kv_lora:]
-        s = (torch.einsum("nhc,kc->nhk", q_lat.float(), lat) + torch.einsum("nhr,kr->nhk", q_rot.float(), kr)) * scale
+        s = (
+            torch.einsum("nhc,kc->nhk", q_lat.float(), lat)
+            + torch.einsum("nhr,kr->nhk", q_rot.float(), kr)
+        ) * scale
         s = s.masked_fill(~mask[:, None, a:b], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
-        safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing yet
+        safe = torch.where(
+            torch.isinf(m_new), torch.zeros_like(m_new), m_new
+        )  # rows with nothing yet
         corr = torch.exp(m - safe)
         p = torch.exp(s - safe[..., None])
         den = den * corr + p.sum(-1)
@@ -130,25 +172,42 @@ def attend_absorbed_chunked(q_lat: torch.Tensor, q_rot: torch.Tensor, kv_store: 
     return acc / den[..., None]
 
 
-def attend_gathered(q_lat: torch.Tensor, q_rot: torch.Tensor, kv_store: torch.Tensor, sel_slots: torch.Tensor,
-                    sel_valid: torch.Tensor, kv_lora: int, scale: float, cap: int) -> torch.Tensor:
+def attend_gathered(
+    q_lat: torch.Tensor,
+    q_rot: torch.Tensor,
+    kv_store: torch.Tensor,
+    sel_slots: torch.Tensor,
+    sel_valid: torch.Tensor,
+    kv_lora: int,
+    scale: float,
+    cap: int,
+) -> torch.Tensor:
     """Decode form: each query row attends over its own <= topk gathered rows.
 
-    sel_slots [n, k] (padding repeats a valid slot), sel_valid [n, k] -> latent output [n, h, c] fp32."""
+    sel_slots [n, k] (padding repeats a valid slot), sel_valid [n, k] -> latent output [n, h, c]
+    fp32."""
     n, k = sel_slots.shape
     out = torch.empty(n, q_lat.shape[1], q_lat.shape[2])
-    for a, b in capped_chunks(n, decode_row_bytes(k, q_lat.shape[1], kv_store.shape[1], kv_store.element_size()), cap):
+    for a, b in capped_chunks(
+        n, decode_row_bytes(k, q_lat.shape[1], kv_store.shape[1], kv_store.element_size()), cap
+    ):
         rows = gather_rows(kv_store, sel_slots[a:b]).float()  # [m, k, c + r]
         lat, kr = rows[..., :kv_lora], rows[..., kv_lora:]
-        s = (torch.einsum("nhc,nkc->nhk", q_lat[a:b].float(), lat) + torch.einsum("nhr,nkr->nhk", q_rot[a:b].float(), kr)) * scale
+        s = (
+            torch.einsum("nhc,nkc->nhk", q_lat[a:b].float(), lat)
+            + torch.einsum("nhr,nkr->nhk", q_rot[a:b].float(), kr)
+        ) * scale
         s = s.masked_fill(~sel_valid[a:b, None, :], float("-inf"))
         p = torch.softmax(s, -1)
         out[a:b] = torch.einsum("nhk,nkc->nhc", p, lat)
     return out
 
 
-def selected_slots(keep: torch.Tensor, slots: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """keep [n, L] (<= k True per row) -> (slots [n, k], valid [n, k]); padding repeats the row's first pick."""
+def selected_slots(
+    keep: torch.Tensor, slots: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """keep [n, L] (<= k True per row) -> (slots [n, k], valid [n, k]); padding repeats the row's
+    first pick."""
     n, L = keep.shape
     k = min(k, L)
     # the True positions first, in key order (a stable sort of the inverted mask)
@@ -158,8 +217,16 @@ def selected_slots(keep: torch.Tensor, slots: torch.Tensor, k: int) -> tuple[tor
     return slots[idx], valid
 
 
-def sparse_prefill(q_lat: torch.Tensor, q_rot: torch.Tensor, kv_store: torch.Tensor, slots: torch.Tensor,
-                   keep: torch.Tensor, kv_lora: int, scale: float, cfg: DSAConfig) -> torch.Tensor:
+def sparse_prefill(
+    q_lat: torch.Tensor,
+    q_rot: torch.Tensor,
+    kv_store: torch.Tensor,
+    slots: torch.Tensor,
+    keep: torch.Tensor,
+    kv_lora: int,
+    scale: float,
+    cfg: DSAConfig,
+) -> torch.Tensor:
     """Prefill rows [n] over L keys: per window, the union of selections, or dense with the mask."""
     n, L = keep.shape
     out = torch.empty(n, q_lat.shape[1], q_lat.shape[2])
@@ -167,42 +234,67 @@ def sparse_prefill(q_lat: torch.Tensor, q_rot: torch.Tensor, kv_store: torch.Ten
         b = min(n, a + cfg.window)
         win = keep[a:b]
         if L <= cfg.dense_threshold:
-            out[a:b] = attend_absorbed_chunked(q_lat[a:b], q_rot[a:b], kv_store, slots, win, kv_lora, scale,
-                                               cfg.gather_cap_bytes)
+            out[a:b] = attend_absorbed_chunked(
+                q_lat[a:b], q_rot[a:b], kv_store, slots, win, kv_lora, scale, cfg.gather_cap_bytes
+            )
             continue
         union = win.any(0).nonzero().squeeze(1)  # [U] key indices, ascending
         if union.numel() > cfg.union_max_frac * L:
-            out[a:b] = attend_absorbed_chunked(q_lat[a:b], q_rot[a:b], kv_store, slots, win, kv_lora, scale,
-                                               cfg.gather_cap_bytes)
+            out[a:b] = attend_absorbed_chunked(
+                q_lat[a:b], q_rot[a:b], kv_store, slots, win, kv_lora, scale, cfg.gather_cap_bytes
+            )
         else:
-            out[a:b] = attend_absorbed_chunked(q_lat[a:b], q_rot[a:b], kv_store, slots[union], win[:, union],
-                                               kv_lora, scale, cfg.gather_cap_bytes)
+            out[a:b] = attend_absorbed_chunked(
+                q_lat[a:b],
+                q_rot[a:b],
+                kv_store,
+                slots[union],
+                win[:, union],
+                kv_lora,
+                scale,
+                cfg.gather_cap_bytes,
+            )
     return out
 
 
-def gather_plan(cfg, context: int, chunk_tokens: int, dsa: DSAConfig, tp: int = 1, cache_itemsize: int = 2,
-                batch: int = 1) -> list[tuple[str, int]]:
-    """Every gather and capped temporary the sparse path makes for one prefill chunk at `context` keys
-    and one decode step, as (what, bytes), from the same chunking functions the code calls.
+def gather_plan(
+    cfg,
+    context: int,
+    chunk_tokens: int,
+    dsa: DSAConfig,
+    tp: int = 1,
+    cache_itemsize: int = 2,
+    batch: int = 1,
+) -> list[tuple[str, int]]:
+    """Every gather and capped temporary the sparse path makes for one prefill chunk at `context`
+    keys and one decode step, as (what, bytes), from the same chunking functions the code calls.
     Shape arithmetic only: nothing is allocated, so it runs at the real GLM-5 sizes."""
     out = []
     h = cfg.num_attention_heads // tp
     width, iw = cfg.kv_cache_dim, cfg.index_head_dim
     rows = min(chunk_tokens, score_rows(dsa, context))
     out += [("indexer score rows (fp32 scores, int32 keys, masks)", rows * context * 9)]
-    for a, b in index_key_chunks(rows, cfg.index_n_heads, context, iw * cache_itemsize, dsa.gather_cap_bytes)[:1]:
-        out += [("indexer key gather", (b - a) * iw * cache_itemsize),
-                ("indexer key fp32 copy", (b - a) * iw * 4),
-                ("indexer relu buffer", rows * cfg.index_n_heads * (b - a) * 4)]
+    for a, b in index_key_chunks(
+        rows, cfg.index_n_heads, context, iw * cache_itemsize, dsa.gather_cap_bytes
+    )[:1]:
+        out += [
+            ("indexer key gather", (b - a) * iw * cache_itemsize),
+            ("indexer key fp32 copy", (b - a) * iw * 4),
+            ("indexer relu buffer", rows * cfg.index_n_heads * (b - a) * 4),
+        ]
     win = min(dsa.window, chunk_tokens)
     for a, b in attn_key_chunks(win, h, context, width, cache_itemsize, dsa.gather_cap_bytes)[:1]:
-        out += [("prefill latent gather", (b - a) * width * cache_itemsize),
-                ("prefill latent fp32 copy", (b - a) * width * 4),
-                ("prefill scores", win * h * (b - a) * 4)]
+        out += [
+            ("prefill latent gather", (b - a) * width * cache_itemsize),
+            ("prefill latent fp32 copy", (b - a) * width * 4),
+            ("prefill scores", win * h * (b - a) * 4),
+        ]
     k = min(cfg.index_topk, context)
     per_row = decode_row_bytes(k, h, width, cache_itemsize)
     for a, b in capped_chunks(batch, per_row, dsa.gather_cap_bytes)[:1]:
-        out += [("decode top-k gather", (b - a) * k * width * cache_itemsize),
-                ("decode top-k fp32 copy", (b - a) * k * width * 4),
-                ("decode scores", (b - a) * h * k * 4)]
+        out += [
+            ("decode top-k gather", (b - a) * k * width * cache_itemsize),
+            ("decode top-k fp32 copy", (b - a) * k * width * 4),
+            ("decode scores", (b - a) * h * k * 4),
+        ]
     return out

@@ -10,9 +10,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class DSAConfig:
-    mode: str = "reference"  # "reference": dense masked math (the oracle); "sparse": the scaled path
+    mode: str = (
+        "reference"  # "reference": dense masked math (the oracle); "sparse": the scaled path
+    )
     window: int = 64  # neighbouring queries whose selections are unioned in prefill
-    dense_threshold: int = 32768  # contexts of at most this many keys attend densely (accurate softmax)
+    dense_threshold: int = (
+        32768  # contexts of at most this many keys attend densely (accurate softmax)
+    )
     union_max_frac: float = 0.5  # a union above this fraction of the context attends densely
     gather_cap_bytes: int = 512 * 1024 * 1024
     indexer_row_chunk: int = 256  # query rows scored at once

@@ -20,7 +20,15 @@ from dist_glm5.model.rope import RopeTable
 
 
 class Trunk(nn.Module):
-    def __init__(self, cfg: ModelConfig, layers: range, embed: bool, head: bool, mtp: bool, experts: range | None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: range,
+        embed: bool,
+        head: bool,
+        mtp: bool,
+        experts: range | None,
+    ):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, experts) for i in layers})
@@ -32,29 +40,49 @@ class Trunk(nn.Module):
 
 
 class Glm5Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, layers: range | None = None, embed: bool | None = None,
-                 head: bool | None = None, mtp: bool | None = None, experts: range | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: range | None = None,
+        embed: bool | None = None,
+        head: bool | None = None,
+        mtp: bool | None = None,
+        experts: range | None = None,
+    ):
         super().__init__()
         n = cfg.num_hidden_layers
         layers = range(n) if layers is None else layers
         if layers.step != 1 or layers.start < 0 or layers.stop > n or len(layers) == 0:
-            raise ValueError(f"layer range {layers} must be a non-empty contiguous part of 0..{n - 1}")
+            raise ValueError(
+                f"layer range {layers} must be a non-empty contiguous part of 0..{n - 1}"
+            )
         self.cfg = cfg
         self.layer_range = layers
         embed = layers.start == 0 if embed is None else embed
         head = layers.stop == n if head is None else head
         mtp = head and cfg.num_nextn_predict_layers > 0 if mtp is None else mtp
         embed = embed or mtp  # the MTP layer embeds the next token with the shared embedding
-        self.experts = range(cfg.n_routed_experts) if experts is None else experts  # this EP rank's routed experts
-        if self.experts.step != 1 or self.experts.start < 0 or self.experts.stop > cfg.n_routed_experts or not self.experts:
-            raise ValueError(f"expert range {experts} must be a non-empty contiguous part of 0..{cfg.n_routed_experts - 1}")
+        self.experts = (
+            range(cfg.n_routed_experts) if experts is None else experts
+        )  # this EP rank's routed experts
+        if (
+            self.experts.step != 1
+            or self.experts.start < 0
+            or self.experts.stop > cfg.n_routed_experts
+            or not self.experts
+        ):
+            raise ValueError(
+                f"expert range {experts} must be a non-empty contiguous part of "
+                f"0..{cfg.n_routed_experts - 1}"
+            )
         self.model = Trunk(cfg, layers, embed, head, mtp, self.experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
         self.has_mtp = mtp
         self.rope = RopeTable(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
 
     def set_dsa(self, dsa: "DSAConfig") -> "Glm5Model":
-        """Choose the DSA attention path for every layer ('reference' or 'sparse', thresholds, gather cap)."""
+        """Choose the DSA attention path for every layer ('reference' or 'sparse', thresholds,
+        gather cap)."""
         for mod in self.modules():
             if hasattr(mod, "dsa") and hasattr(mod, "kv_b_proj"):
                 mod.dsa = dsa
@@ -79,8 +107,13 @@ class Glm5Model(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache,
-                keep: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        keep: list[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """Run this stage's layers. x: token ids [T] (first stage) or residual hidden [T, H].
 
         Returns the residual stream after the last owned layer (before the final norm) and the
@@ -100,9 +133,16 @@ class Glm5Model(nn.Module):
         # [n, H] -> [n, V] fp32
         return self.lm_head(h_normed).float()
 
-    def mtp_forward(self, next_ids: torch.Tensor, h_normed: torch.Tensor, batch: ForwardBatch,
-                    cache: PagedKVCache, j: int = 0) -> torch.Tensor:
-        """MTP rows at the batch's positions: next_ids [T] (token i+1 for row i), h_normed [T, H] -> [T, H] normed."""
+    def mtp_forward(
+        self,
+        next_ids: torch.Tensor,
+        h_normed: torch.Tensor,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        j: int = 0,
+    ) -> torch.Tensor:
+        """MTP rows at the batch's positions: next_ids [T] (token i+1 for row i),
+        h_normed [T, H] -> [T, H] normed."""
         layer = self.mtp_layer(j)
         emb = (layer.embed_tokens or self.model.embed_tokens)(next_ids.long())
         cos, sin = self.rope.lookup(batch.positions)

@@ -1,6 +1,7 @@
 """DSA lightning indexer: per-query key scores and top-k selection (the reference form).
 
-score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) * index_head_dim**-0.5,  w = weights_proj(x) * H**-0.5
+score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) * index_head_dim**-0.5,
+    w = weights_proj(x) * H**-0.5
 computed in fp32; keys after the query (causal) never count. Each query keeps its
 top-min(index_topk, valid keys) keys; the rest are masked out of the MLA softmax.
 
@@ -31,9 +32,11 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [T, H], q_resid: [T, q_lora] -> q [T, Hi, D], k [T, D], head weights [T, Hi] (fp32)."""
+    def forward(
+        self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, H], q_resid: [T, q_lora] -> q [T, Hi, D], k [T, D], head weights [T, Hi]
+        (fp32)."""
         T = x.shape[0]
         q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(x))
@@ -45,11 +48,16 @@ class Indexer(nn.Module):
         return q, k, w
 
 
-def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, head_dim: int) -> torch.Tensor:
+def index_scores(
+    q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, head_dim: int
+) -> torch.Tensor:
     # q: [..., n, Hi, D], w: [..., n, Hi] fp32, keys: [..., L, D] -> scores [..., n, L] fp32
-    # relu(x * s) == s * relu(x) for s > 0: the scale rides on the head weights (one pass fewer over the
-    # [n, Hi, L] buffer). Every selection path computes scores with this one function, so they agree bit for bit.
-    s = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(-3)).relu_()  # [..., n, Hi, L]
+    # relu(x * s) == s * relu(x) for s > 0: the scale rides on the head weights (one pass fewer over
+    # the [n, Hi, L] buffer). Every selection path computes scores with this one function, so they
+    # agree bit for bit.
+    s = torch.matmul(
+        q.float(), keys.float().transpose(-1, -2).unsqueeze(-3)
+    ).relu_()  # [..., n, Hi, L]
     return torch.matmul((w * head_dim**-0.5).unsqueeze(-2), s).squeeze(-2)
 
 
@@ -63,6 +71,8 @@ def select_topk_reference(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) 
     if topk >= L:
         return causal
     s = scores.masked_fill(~causal, float("-inf"))
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :topk]  # ties -> earlier key
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[
+        ..., :topk
+    ]  # ties -> earlier key
     keep = torch.zeros_like(causal).scatter_(-1, order, True)
     return keep & causal

@@ -22,7 +22,9 @@ class CacheFullError(RuntimeError):
 class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"cache needs num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+            raise ValueError(
+                f"cache needs num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
@@ -34,8 +36,10 @@ class BlockAllocator:
         need = -(-length // self.block_size) - len(table)
         if need > len(self.free):
             raise CacheFullError(
-                f"sequence {seq_id} needs {need} more cache blocks for {length} tokens, {len(self.free)} free "
-                f"of {self.num_blocks}: lower the context or batch, or plan a larger cache")
+                f"sequence {seq_id} needs {need} more cache blocks for {length} tokens, "
+                f"{len(self.free)} free of {self.num_blocks}: lower the context or batch, or plan "
+                "a larger cache"
+            )
         for _ in range(max(need, 0)):
             table.append(self.free.pop())
         return table
@@ -53,6 +57,7 @@ class BlockAllocator:
 @dataclass(frozen=True)
 class Chunk:
     """One sequence's new tokens in a forward: positions start .. start+length-1."""
+
     seq_id: int
     start: int
     length: int
@@ -75,6 +80,7 @@ class AttnGroup:
     its first slot and sit after every real query position, so the causal mask removes them and
     no row is ever fully masked (no 0/0).
     """
+
     chunk_ids: list[int]
     tok: torch.Tensor  # [B, n] index into the forward's T tokens
     valid: torch.Tensor  # [B, n] real query rows
@@ -85,6 +91,7 @@ class AttnGroup:
 @dataclass
 class ForwardBatch:
     """Per-forward metadata shared by every layer of a stage."""
+
     chunks: list[Chunk]
     positions: torch.Tensor  # [T] int64
     write_slots: torch.Tensor  # [T] slots the new tokens are written to
@@ -98,14 +105,22 @@ class ForwardBatch:
 
 
 class PagedKVCache:
-    def __init__(self, cfg: ModelConfig, layers: list[int], num_blocks: int, block_size: int = 64,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: list[int],
+        num_blocks: int,
+        block_size: int = 64,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.alloc = BlockAllocator(num_blocks, block_size)
         n = num_blocks * block_size
         # empty, not zeros: only written slots are ever read (padding repeats a written slot), and
         # untouched pages of a long-context cache then cost no memory until used
         self.kv = {l: torch.empty(n, cfg.kv_cache_dim, dtype=dtype) for l in layers}
-        self.index_k = {l: torch.empty(n, cfg.index_head_dim, dtype=dtype) for l in layers if cfg.has_indexer(l)}
+        self.index_k = {
+            l: torch.empty(n, cfg.index_head_dim, dtype=dtype) for l in layers if cfg.has_indexer(l)
+        }
         self.lengths: dict[int, int] = {}
 
     @property
@@ -127,14 +142,18 @@ class PagedKVCache:
             t += c.length
         for c in chunks:  # a rejected draft rolls back simply by starting the next chunk earlier
             self.lengths[c.seq_id] = c.end
-        return ForwardBatch(chunks, torch.cat(pos), torch.cat(write), read, spans, make_groups(chunks, read, spans))
+        return ForwardBatch(
+            chunks, torch.cat(pos), torch.cat(write), read, spans, make_groups(chunks, read, spans)
+        )
 
     def release(self, seq_id: int) -> None:
         self.alloc.release(seq_id)
         self.lengths.pop(seq_id, None)
 
 
-def make_groups(chunks: list[Chunk], read: list[torch.Tensor], spans: list[tuple[int, int]]) -> list[AttnGroup]:
+def make_groups(
+    chunks: list[Chunk], read: list[torch.Tensor], spans: list[tuple[int, int]]
+) -> list[AttnGroup]:
     small = [i for i, c in enumerate(chunks) if c.length <= SMALL_CHUNK]
     groups = [[i] for i, c in enumerate(chunks) if c.length > SMALL_CHUNK]
     if small:
@@ -150,11 +169,11 @@ def make_groups(chunks: list[Chunk], read: list[torch.Tensor], spans: list[tuple
         for r, i in enumerate(ids):
             c, (a, b), rs = chunks[i], spans[i], read[i]
             tok[r] = a
-            tok[r, :c.length] = torch.arange(a, b)
+            tok[r, : c.length] = torch.arange(a, b)
             q_pos[r] = c.start
-            q_pos[r, :c.length] = torch.arange(c.start, c.end)
-            valid[r, :c.length] = True
+            q_pos[r, : c.length] = torch.arange(c.start, c.end)
+            valid[r, : c.length] = True
             slots[r] = rs[0]
-            slots[r, :c.end] = rs
+            slots[r, : c.end] = rs
         out.append(AttnGroup(ids, tok, valid, q_pos, slots))
     return out

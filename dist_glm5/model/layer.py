@@ -21,13 +21,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLA(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg, experts) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (
+            MoE(cfg, experts)
+            if cfg.is_moe_layer(layer)
+            else MLP(cfg.hidden_size, cfg.intermediate_size)
+        )
         # Sums of partial outputs over a stage's tensor/expert-parallel ranks (set by stages/tp.py).
         self.attn_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.mlp_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, cos: torch.Tensor,
-                sin: torch.Tensor, prev_keep: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        prev_keep: list[torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         # x: [T, H] residual stream
         a, keep = self.self_attn(self.input_layernorm(x), batch, cache, cos, sin, prev_keep)
         if self.attn_reduce is not None:

@@ -23,22 +23,42 @@ from dist_glm5.model.kv_cache import SMALL_CHUNK, ForwardBatch, PagedKVCache
 from dist_glm5.model.norm import RMSNorm
 from dist_glm5.model.rope import apply_rope
 
-def mla_expanded(q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
-                 w_kv_b: torch.Tensor, keep: torch.Tensor, scale: float, nope: int) -> torch.Tensor:
+
+def mla_expanded(
+    q_nope: torch.Tensor,
+    q_rot: torch.Tensor,
+    latent: torch.Tensor,
+    k_rot: torch.Tensor,
+    w_kv_b: torch.Tensor,
+    keep: torch.Tensor,
+    scale: float,
+    nope: int,
+) -> torch.Tensor:
     # q_nope: [B, n, h, nope], q_rot: [B, n, h, r], latent: [B, L, c], k_rot: [B, L, r],
     # w_kv_b: [h*(nope+v), c], keep: [B, n, L] bool -> out [B, n, h, v]
     B, n, h, _ = q_nope.shape
     kv = F.linear(latent, w_kv_b).view(B, latent.shape[1], h, -1)  # [B, L, h, nope+v]
     k_nope, v = kv[..., :nope], kv[..., nope:]
-    s = torch.einsum("bnhd,blhd->bhnl", q_nope, k_nope) + torch.einsum("bnhr,blr->bhnl", q_rot, k_rot)
+    s = torch.einsum("bnhd,blhd->bhnl", q_nope, k_nope) + torch.einsum(
+        "bnhr,blr->bhnl", q_rot, k_rot
+    )
     s = (s * scale).masked_fill(~keep[:, None], float("-inf"))
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.einsum("bhnl,blhv->bnhv", p, v)
 
 
-def mla_absorbed(q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
-                 w_kv_b: torch.Tensor, keep: torch.Tensor, scale: float, nope: int) -> torch.Tensor:
-    # Same signature and result as mla_expanded; cost O(L * c) per head instead of O(L * h * (nope+v)).
+def mla_absorbed(
+    q_nope: torch.Tensor,
+    q_rot: torch.Tensor,
+    latent: torch.Tensor,
+    k_rot: torch.Tensor,
+    w_kv_b: torch.Tensor,
+    keep: torch.Tensor,
+    scale: float,
+    nope: int,
+) -> torch.Tensor:
+    # Same signature and result as mla_expanded; cost O(L * c) per head instead of
+    # O(L * h * (nope+v)).
     B, n, h, _ = q_nope.shape
     c = latent.shape[-1]
     w = w_kv_b.view(h, -1, c)  # [h, nope+v, c]
@@ -56,7 +76,11 @@ class MLA(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads = cfg.num_attention_heads
-        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.nope, self.rope, self.v_dim = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        )
         self.kv_lora = cfg.kv_lora_rank
         self.scale = cfg.softmax_scale
         self.interleave = cfg.rope_interleave
@@ -64,27 +88,43 @@ class MLA(nn.Module):
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_cache_dim, bias=cfg.attention_bias)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            cfg.hidden_size, cfg.kv_cache_dim, bias=cfg.attention_bias
+        )
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=1e-6)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.kv_b_proj = nn.Linear(
+            cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False
+        )
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.indexer = Indexer(cfg) if cfg.has_indexer(layer) else None
-        self.dsa = DSAConfig()  # set by Glm5Model.set_dsa; "reference" masks densely, "sparse" gathers
+        self.dsa = (
+            DSAConfig()
+        )  # set by Glm5Model.set_dsa; "reference" masks densely, "sparse" gathers
         # (rank, ranks, exchange): indexer rows split over a stage's ranks (set by stages/tp.py)
         self.row_split: tuple[int, int, Callable] | None = None
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache,
-                cos: torch.Tensor, sin: torch.Tensor, prev_keep: list[torch.Tensor] | None
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """x: [T, H] -> out [T, H], and the key selection per attention group [B, n, L] for shared layers."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        prev_keep: list[torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """x: [T, H] -> out [T, H], and the key selection per attention group [B, n, L] for shared
+        layers."""
         T = x.shape[0]
         h = self.q_b_proj.out_features // (self.nope + self.rope)  # local heads (fewer under TP)
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(T, h, self.nope + self.rope)
-        q_nope, q_rot = q[..., :self.nope], apply_rope(q[..., self.nope:], cos, sin, self.interleave)
+        q_nope, q_rot = (
+            q[..., : self.nope],
+            apply_rope(q[..., self.nope :], cos, sin, self.interleave),
+        )
         ckv = self.kv_a_proj_with_mqa(x)
-        latent = self.kv_a_layernorm(ckv[:, :self.kv_lora])
-        k_rot = apply_rope(ckv[:, None, self.kv_lora:], cos, sin, self.interleave)[:, 0]
+        latent = self.kv_a_layernorm(ckv[:, : self.kv_lora])
+        k_rot = apply_rope(ckv[:, None, self.kv_lora :], cos, sin, self.interleave)[:, 0]
         kv_store = cache.kv[self.layer]
         kv_store[batch.write_slots] = torch.cat([latent, k_rot], dim=-1).to(kv_store.dtype)
 
@@ -93,11 +133,24 @@ class MLA(nn.Module):
             idx_store = cache.index_k[self.layer]
             idx_store[batch.write_slots] = ik.to(idx_store.dtype)
         elif prev_keep is None:
-            raise ValueError(f"layer {self.layer} is a 'shared' DSA layer but no previous full layer's selection was passed")
+            raise ValueError(
+                f"layer {self.layer} is a 'shared' DSA layer but no previous full layer's "
+                "selection was passed"
+            )
 
         if self.dsa.mode == "sparse":
-            return self._sparse(x, batch, q_nope, q_rot, kv_store, iq if self.indexer else None,
-                                iw if self.indexer else None, idx_store if self.indexer else None, prev_keep, h)
+            return self._sparse(
+                x,
+                batch,
+                q_nope,
+                q_rot,
+                kv_store,
+                iq if self.indexer else None,
+                iw if self.indexer else None,
+                idx_store if self.indexer else None,
+                prev_keep,
+                h,
+            )
         out = torch.empty(T, h, self.v_dim, dtype=x.dtype)
         keeps = []
         for gi, g in enumerate(batch.groups):
@@ -109,8 +162,16 @@ class MLA(nn.Module):
             keeps.append(keep)
             # decode-sized groups attend over the compressed latent; prefill expands it per head
             attn = mla_absorbed if g.tok.shape[1] <= SMALL_CHUNK else mla_expanded
-            o = attn(q_nope[g.tok], q_rot[g.tok], rows[..., :self.kv_lora], rows[..., self.kv_lora:],
-                     self.kv_b_proj.weight, keep, self.scale, self.nope)
+            o = attn(
+                q_nope[g.tok],
+                q_rot[g.tok],
+                rows[..., : self.kv_lora],
+                rows[..., self.kv_lora :],
+                self.kv_b_proj.weight,
+                keep,
+                self.scale,
+                self.nope,
+            )
             out[g.tok[g.valid]] = o[g.valid]
         return self.o_proj(out.reshape(T, h * self.v_dim)), keeps
 
@@ -121,15 +182,25 @@ class MLA(nn.Module):
 
     def select_sparse(self, iq, iw, idx_store, slots, q_pos):
         # one sequence's rows: iq [n, hi, d], iw [n, hi], its key slots [L] -> keep [n, L] bool
-        return dsa.select(iq, iw, idx_store, slots, q_pos, self.topk, self.indexer.head_dim, self.dsa,
-                          self.row_split)
+        return dsa.select(
+            iq,
+            iw,
+            idx_store,
+            slots,
+            q_pos,
+            self.topk,
+            self.indexer.head_dim,
+            self.dsa,
+            self.row_split,
+        )
 
     def _sparse(self, x, batch, q_nope, q_rot, kv_store, iq, iw, idx_store, prev_keep, h):
-        """The scaled path (dist_glm5/dsa.py): per-row bisection top-k, capped gathers, union windows."""
+        """The scaled path (dist_glm5/dsa.py): per-row bisection top-k, capped gathers, union
+        windows."""
         T = x.shape[0]
         c = self.kv_lora
         w = self.kv_b_proj.weight.view(h, -1, c)
-        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         out = torch.empty(T, h, self.v_dim, dtype=x.dtype)
         keeps = []
         for gi, g in enumerate(batch.groups):
@@ -153,13 +224,23 @@ class MLA(nn.Module):
                     sel_ok.append(torch.nn.functional.pad(ok, (0, pad), value=False))
                     toks_all.append((toks, q_lat))
                 else:
-                    o_lat = dsa.sparse_prefill(q_lat, q_rot[toks], kv_store, slots, keep, c, self.scale, self.dsa)
+                    o_lat = dsa.sparse_prefill(
+                        q_lat, q_rot[toks], kv_store, slots, keep, c, self.scale, self.dsa
+                    )
                     out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(x.dtype), w_uv)
             if small:
                 toks = torch.cat([t for t, _ in toks_all])
                 q_lat = torch.cat([q for _, q in toks_all])
-                o_lat = dsa.attend_gathered(q_lat, q_rot[toks], kv_store, torch.cat(sel), torch.cat(sel_ok), c,
-                                            self.scale, self.dsa.gather_cap_bytes)
+                o_lat = dsa.attend_gathered(
+                    q_lat,
+                    q_rot[toks],
+                    kv_store,
+                    torch.cat(sel),
+                    torch.cat(sel_ok),
+                    c,
+                    self.scale,
+                    self.dsa.gather_cap_bytes,
+                )
                 out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(x.dtype), w_uv)
             keeps.append(gkeep)
         return self.o_proj(out.reshape(T, h * self.v_dim)), keeps

@@ -22,8 +22,14 @@ def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor
     return F.linear(F.silu(gate) * up, w2)
 
 
-def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert_weights,
-                      first_expert: int, num_local: int) -> torch.Tensor:
+def experts_reference(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    expert_weights,
+    first_expert: int,
+    num_local: int,
+) -> torch.Tensor:
     """x: [T, H], weights/ids: [T, k] -> [T, H], the sum over this rank's experts only.
 
     expert_weights(e_local) -> (w13 [2I, H], w2 [H, I]) in x's dtype (decoded if quantised).
@@ -65,22 +71,34 @@ class Experts(nn.Module):
         return self.w13_weight[e], self.w2_weight[e]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return experts_reference(x, weights, ids, self.expert_weights, self.first_expert, self.num_local)
+        return experts_reference(
+            x, weights, ids, self.expert_weights, self.first_expert, self.num_local
+        )
 
 
 class MXFP4Experts(nn.Module):
     """Routed experts in the packed MXFP4 serving layout (uint8 elements + E8M0 scales, blocks of 32
-    along the input dim), decoded per expert for the reference loop; fast kernels live in kernels/."""
+    along the input dim), decoded per expert for the reference loop; fast kernels live in
+    kernels/."""
 
-    def __init__(self, cfg: ModelConfig, first_expert: int = 0, num_local: int | None = None,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        first_expert: int = 0,
+        num_local: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.first_expert = first_expert
         self.num_local = cfg.n_routed_experts if num_local is None else num_local
         self.compute_dtype = dtype
         I, H, E = cfg.moe_intermediate_size, cfg.hidden_size, self.num_local
-        for name, shape in (("w13_weight", (E, 2 * I, H // 2)), ("w13_weight_scale", (E, 2 * I, H // 32)),
-                            ("w2_weight", (E, H, I // 2)), ("w2_weight_scale", (E, H, I // 32))):
+        for name, shape in (
+            ("w13_weight", (E, 2 * I, H // 2)),
+            ("w13_weight_scale", (E, 2 * I, H // 32)),
+            ("w2_weight", (E, H, I // 2)),
+            ("w2_weight_scale", (E, H, I // 32)),
+        ):
             self.register_buffer(name, torch.zeros(shape, dtype=torch.uint8))
 
     def _apply(self, fn, recurse=True):
@@ -93,11 +111,15 @@ class MXFP4Experts(nn.Module):
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         from dist_glm5.quant.mxfp4 import decode
 
-        return (decode(self.w13_weight[e], self.w13_weight_scale[e], self.compute_dtype),
-                decode(self.w2_weight[e], self.w2_weight_scale[e], self.compute_dtype))
+        return (
+            decode(self.w13_weight[e], self.w13_weight_scale[e], self.compute_dtype),
+            decode(self.w2_weight[e], self.w2_weight_scale[e], self.compute_dtype),
+        )
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return experts_reference(x, weights, ids, self.expert_weights, self.first_expert, self.num_local)
+        return experts_reference(
+            x, weights, ids, self.expert_weights, self.first_expert, self.num_local
+        )
 
 
 class MoE(nn.Module):
@@ -108,8 +130,11 @@ class MoE(nn.Module):
         cls = MXFP4Experts if cfg.experts_format == "mxfp4" else Experts
         self.experts = cls(cfg, experts.start, len(experts))
         self.recorder = None  # (RouteRecorder, layer) while routes are being recorded
-        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) \
-            if cfg.n_shared_experts else None
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            if cfg.n_shared_experts
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, ids = self.gate(x)

@@ -8,14 +8,17 @@ from torch import nn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [..., D], weight: [D]. Statistics in fp32, scale applied after casting back (as transformers does).
+    # x: [..., D], weight: [D]. Statistics in fp32, scale applied after casting back (as
+    # transformers does).
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
     # x: [..., D]. The DSA indexer's key norm is a LayerNorm with bias.
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 

@@ -1,4 +1,5 @@
-"""Single-process generation: prefill every prompt in one forward, then decode over the paged cache."""
+"""Single-process generation: prefill every prompt in one forward, then decode over the paged
+cache."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dist_glm5.model.kv_cache import Chunk, PagedKVCache
 from dist_glm5.model.glm5 import Glm5Model
+from dist_glm5.model.kv_cache import Chunk, PagedKVCache
 from dist_glm5.sampling.params import SamplingParams
 from dist_glm5.sampling.sampler import make_generator, sample
 
@@ -32,13 +33,24 @@ def check_prompts(model: Glm5Model, prompts: list[list[int]]) -> None:
             raise ValueError(f"prompt {i} has token ids outside 0..{V - 1}: {bad[:5]}")
 
 
+_DEFAULT_PARAMS = SamplingParams()
+
+
 @torch.no_grad()
-def generate(model: Glm5Model, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams(),
-             cache: PagedKVCache | None = None, block_size: int = 64) -> list[Generation]:
+def generate(
+    model: Glm5Model,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams] = _DEFAULT_PARAMS,
+    cache: PagedKVCache | None = None,
+    block_size: int = 64,
+) -> list[Generation]:
     check_prompts(model, prompts)
     params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if cache is None:
-        cache = model.new_cache(blocks_needed([len(p) + q.max_tokens for p, q in zip(prompts, params)], block_size), block_size)
+        cache = model.new_cache(
+            blocks_needed([len(p) + q.max_tokens for p, q in zip(prompts, params)], block_size),
+            block_size,
+        )
     gens = [make_generator(q) for q in params]
     eos = set(model.cfg.eos_token_id)
     outs = [Generation([], "length") for _ in prompts]
@@ -71,7 +83,8 @@ def generate(model: Glm5Model, prompts: list[list[int]], params: SamplingParams 
 
 @torch.no_grad()
 def full_logits(model: Glm5Model, tokens: list[int]) -> torch.Tensor:
-    """Logits [n, V] of every position by one uncached forward over the whole sequence (an oracle for tests)."""
+    """Logits [n, V] of every position by one uncached forward over the whole sequence (an oracle
+    for tests)."""
     cache = model.new_cache(blocks_needed([len(tokens)], 64), 64)
     batch = cache.prepare([Chunk(0, 0, len(tokens))])
     h, _ = model(torch.tensor(tokens), batch, cache)

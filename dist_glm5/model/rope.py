@@ -19,7 +19,9 @@ from dist_glm5.model.config import RopeConfig
 MAX_POSITIONS = 1 << 20  # 1,048,576: covers the 637K two-node context with room to spare
 
 
-def inv_freq_and_scale(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def inv_freq_and_scale(
+    rope: RopeConfig, dim: int, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim/2] (fp32) and the cos/sin post-scale for the rope type."""
     base = rope.theta
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -36,8 +38,11 @@ def inv_freq_and_scale(rope: RopeConfig, dim: int, max_position_embeddings: int)
 
     att = rope.attention_factor
     if att is None:
-        att = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim) \
-            if rope.mscale and rope.mscale_all_dim else mscale(factor)
+        att = (
+            mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+            if rope.mscale and rope.mscale_all_dim
+            else mscale(factor)
+        )
     beta_fast = rope.beta_fast or 32
     beta_slow = rope.beta_slow or 1
 
@@ -61,7 +66,9 @@ def inv_freq_and_scale(rope: RopeConfig, dim: int, max_position_embeddings: int)
 class RopeTable:
     """cos/sin [positions, dim/2] in fp32 on the host, grown on demand and sliced per step."""
 
-    def __init__(self, rope: RopeConfig, dim: int, max_position_embeddings: int, initial: int = 4096):
+    def __init__(
+        self, rope: RopeConfig, dim: int, max_position_embeddings: int, initial: int = 4096
+    ):
         self.inv_freq, self.scale = inv_freq_and_scale(rope, dim, max_position_embeddings)
         self.cos = torch.empty(0, dim // 2)
         self.sin = torch.empty(0, dim // 2)
@@ -83,7 +90,9 @@ class RopeTable:
         return self.cos[positions], self.sin[positions]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+) -> torch.Tensor:
     # x: [T, ..., dim]; cos/sin: [T, dim/2] broadcast over the middle (head) dims.
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
     cos = cos.to(x.dtype).view(shape)

@@ -15,14 +15,24 @@ from torch import nn
 from dist_glm5.model.config import ModelConfig
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-          norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     # x: [T, H], weight: [E, H] fp32, bias: [E] fp32 -> weights [T, k] fp32, ids [T, k] int32
     T, E = x.shape[0], weight.shape[0]
     s = torch.sigmoid(torch.nn.functional.linear(x.float(), weight.float()))  # [T, E]
     choice = s + bias
     if n_group > 1:
-        group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)  # [T, G]
+        group_scores = (
+            choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)
+        )  # [T, G]
         keep_groups = group_scores.topk(topk_group, dim=-1, sorted=False).indices
         gmask = torch.zeros(T, n_group, dtype=torch.bool).scatter_(1, keep_groups, True)
         choice = choice.masked_fill(~gmask.repeat_interleave(E // n_group, dim=1), float("-inf"))
@@ -37,12 +47,23 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32),
-                                   requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32),
-                                                    requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32),
+            requires_grad=False,
+        )
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        return route(x, self.weight, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
-                     c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+        return route(
+            x,
+            self.weight,
+            self.e_score_correction_bias,
+            c.num_experts_per_tok,
+            c.n_group,
+            c.topk_group,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )

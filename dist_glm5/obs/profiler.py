@@ -102,7 +102,8 @@ def exclusive_times(events: list[tuple[str, float, float, int]]) -> dict[str, fl
     ev = sorted(events, key=lambda e: (e[1], e[3]))
     out: dict[str, float] = {}
     for name, t0, dur, depth in ev:
-        inner = sum(d for n, s, d, dep in ev
-                    if dep == depth + 1 and s >= t0 and s + d <= t0 + dur + 1e-9)
+        inner = sum(
+            d for n, s, d, dep in ev if dep == depth + 1 and s >= t0 and s + d <= t0 + dur + 1e-9
+        )
         out[name] = out.get(name, 0.0) + dur - inner
     return out

@@ -28,15 +28,18 @@ def key_to_float(k: torch.Tensor) -> torch.Tensor:
 
 
 def kth_threshold_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
-    """keys [..., L] int32 -> per row a key t with count(keys >= t) >= k and count(keys > t) < k... precisely:
-    either count(keys >= t) == k (the top-k set is exactly {keys >= t}), or t is the k-th largest key.
+    """keys [..., L] int32 -> per row a key t with count(keys >= t) >= k and count(keys > t) < k...
+    precisely: either count(keys >= t) == k (the top-k set is exactly {keys >= t}), or t is the k-th
+    largest key.
 
     Bisection over the 2^32 key values; a row stops as soon as its count hits k exactly (typical
     after ~log2(L) passes for distinct scores), the rest go on until the interval closes."""
     shape, L = keys.shape[:-1], keys.shape[-1]
     keys = keys.reshape(-1, L)
     lo = torch.full(keys.shape[:1], _INT32_MIN, dtype=torch.int64)  # count(keys >= lo) >= k always
-    hi = torch.full(keys.shape[:1], _INT32_MAX, dtype=torch.int64) + 1  # count(keys >= hi) < k always
+    hi = (
+        torch.full(keys.shape[:1], _INT32_MAX, dtype=torch.int64) + 1
+    )  # count(keys >= hi) < k always
     n_lo = torch.full(keys.shape[:1], L, dtype=torch.int64)  # count(keys >= lo)
     n_hi = torch.zeros(keys.shape[:1], dtype=torch.int64)  # count(keys >= hi)
     done = torch.zeros(keys.shape[:1], dtype=torch.bool)
@@ -57,7 +60,9 @@ def kth_threshold_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
         in_range = (n_lo - n_hi)[~done]
         if work is keys and int(in_range.max()) * 16 <= L:
             # hi may still be 2^31 (no upper bound found yet): compare in int64
-            sel = (keys >= lo[:, None].to(torch.int32)) & (keys.long() < hi[:, None]) & ~done[:, None]
+            sel = (
+                (keys >= lo[:, None].to(torch.int32)) & (keys.long() < hi[:, None]) & ~done[:, None]
+            )
             C = max(1, int(sel.sum(-1).max()))
             pos = torch.where(sel, sel.cumsum(-1) - 1, C)  # slot C collects what is dropped
             work = torch.full((keys.shape[0], C + 1), _INT32_MIN, dtype=torch.int32)
@@ -68,7 +73,8 @@ def kth_threshold_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def kth_largest_bisect(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [..., L] fp32 -> the k-th largest value of each row [...] (== torch.topk(.., k).values[..., -1]).
+    """scores [..., L] fp32 -> the k-th largest value of each row [...]
+    (== torch.topk(.., k).values[..., -1]).
 
     Exact for any values including ties, -inf and +inf; k must be <= L."""
     L = scores.shape[-1]
@@ -82,7 +88,8 @@ def kth_largest_bisect(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def select_topk_bisect(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> torch.Tensor:
-    """Boolean keep-mask [..., L]: each query's top-min(topk, valid) causal keys, ties to earlier keys.
+    """Boolean keep-mask [..., L]: each query's top-min(topk, valid) causal keys, ties to earlier
+    keys.
 
     Same contract and result as indexer.select_topk_reference; scores [..., L], q_pos [...]."""
     L = scores.shape[-1]
@@ -94,7 +101,9 @@ def select_topk_bisect(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> 
     keys = ordered_keys(s)
     t = kth_threshold_keys(keys, k)[..., None]
     above = keys > t
-    need = k - above.sum(-1, keepdim=True)  # how many keys equal to t to keep (0 when {>= t} had exactly k)
+    need = k - above.sum(
+        -1, keepdim=True
+    )  # how many keys equal to t to keep (0 when {>= t} had exactly k)
     tie = keys == t
     keep = above | (tie & (tie.cumsum(-1) <= need))
     return keep & causal

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa import DSAConfig
 from dist_glm5.planning.partition import partition_layers
-from dist_glm5.planning.worker_memory import WorkerMemory, stage_expert_bytes, stage_weight_bytes, worker_memory
+from dist_glm5.planning.worker_memory import (
+    WorkerMemory,
+    stage_expert_bytes,
+    stage_weight_bytes,
+    worker_memory,
+)
 
 GB = 10**9
 
@@ -65,14 +70,30 @@ def weights_format_of(cfg: ModelConfig) -> str:
     return "bf16"
 
 
-def _fp8_weight_bytes(cfg: ModelConfig, layers: range, first: bool, last: bool, mtp: bool, tp: int, ep: int) -> int:
-    """The block-FP8 release: bf16-size accounting at 1 B per linear weight plus 4 B per 128x128 block."""
-    bf16 = stage_weight_bytes(cfg, layers, first, last, mtp, tp, ep, dtype_bytes=2, experts_format="bf16")
+def _fp8_weight_bytes(
+    cfg: ModelConfig, layers: range, first: bool, last: bool, mtp: bool, tp: int, ep: int
+) -> int:
+    """The block-FP8 release: bf16-size accounting at 1 B per linear weight plus 4 B per 128x128
+    block."""
+    bf16 = stage_weight_bytes(
+        cfg, layers, first, last, mtp, tp, ep, dtype_bytes=2, experts_format="bf16"
+    )
     return int(bf16 / 2 * (1 + 4 / (128 * 128)))
 
 
-def plan(cfg: ModelConfig, layout: Layout, context: int, weights_format: str | None = None, batch_tokens: int = 8192,
-         chunk_tokens: int = 2048, headroom_frac: float = 0.05, dsa: DSAConfig = DSAConfig(mode="sparse")) -> list[CardPlan]:
+_SPARSE_DSA = DSAConfig(mode="sparse")
+
+
+def plan(
+    cfg: ModelConfig,
+    layout: Layout,
+    context: int,
+    weights_format: str | None = None,
+    batch_tokens: int = 8192,
+    chunk_tokens: int = 2048,
+    headroom_frac: float = 0.05,
+    dsa: DSAConfig = _SPARSE_DSA,
+) -> list[CardPlan]:
     """One CardPlan per stage (every card of a stage holds the same amounts)."""
     fmt = weights_format or weights_format_of(cfg)
     if fmt not in ("mxfp4", "fp8", "bf16"):
@@ -83,21 +104,51 @@ def plan(cfg: ModelConfig, layout: Layout, context: int, weights_format: str | N
     for s, layers in enumerate(ranges):
         first, last = s == 0, s == len(ranges) - 1
         mtp = last and cfg.num_nextn_predict_layers > 0
-        mem = worker_memory(cfg, layers, first, last, mtp, cache_tokens=context + batch_tokens, chunk_tokens=chunk_tokens,
-                            context=context, tp=R, ep=R, dtype_bytes=2, dsa=dsa, backend=layout.hw.backend,
-                            experts_format="mxfp4" if fmt == "mxfp4" else "bf16")
+        mem = worker_memory(
+            cfg,
+            layers,
+            first,
+            last,
+            mtp,
+            cache_tokens=context + batch_tokens,
+            chunk_tokens=chunk_tokens,
+            context=context,
+            tp=R,
+            ep=R,
+            dtype_bytes=2,
+            dsa=dsa,
+            backend=layout.hw.backend,
+            experts_format="mxfp4" if fmt == "mxfp4" else "bf16",
+        )
         if fmt == "fp8":
-            mem = WorkerMemory(_fp8_weight_bytes(cfg, layers, first, last, mtp, R, R), mem.mla_cache,
-                               mem.indexer_cache, mem.workspace, mem.runtime)
-        experts = stage_expert_bytes(cfg, layers, mtp, R, R, 2, "mxfp4" if fmt == "mxfp4" else "bf16")
+            mem = WorkerMemory(
+                _fp8_weight_bytes(cfg, layers, first, last, mtp, R, R),
+                mem.mla_cache,
+                mem.indexer_cache,
+                mem.workspace,
+                mem.runtime,
+            )
+        experts = stage_expert_bytes(
+            cfg, layers, mtp, R, R, 2, "mxfp4" if fmt == "mxfp4" else "bf16"
+        )
         if fmt == "fp8":
             experts = experts // 2
-        out.append(CardPlan(s, layers, mem, int(headroom_frac * layout.hw.memory_per_card), layout.hw.memory_per_card,
-                            experts))
+        out.append(
+            CardPlan(
+                s,
+                layers,
+                mem,
+                int(headroom_frac * layout.hw.memory_per_card),
+                layout.hw.memory_per_card,
+                experts,
+            )
+        )
     return out
 
 
-def longest_context(cfg: ModelConfig, layout: Layout, weights_format: str | None = None, **kw) -> int:
+def longest_context(
+    cfg: ModelConfig, layout: Layout, weights_format: str | None = None, **kw
+) -> int:
     """The longest context (multiple of 1024) whose plan fits, or 0."""
     lo, hi = 0, 1 << 21
     while hi - lo > 1024:
@@ -109,7 +160,9 @@ def longest_context(cfg: ModelConfig, layout: Layout, weights_format: str | None
     return lo
 
 
-def check(cfg: ModelConfig, layout: Layout, context: int, weights_format: str | None = None, **kw) -> list[CardPlan]:
+def check(
+    cfg: ModelConfig, layout: Layout, context: int, weights_format: str | None = None, **kw
+) -> list[CardPlan]:
     """The plan, or a ValueError that says by how much it misses and what would fit."""
     cards = plan(cfg, layout, context, weights_format, **kw)
     worst = max(cards, key=lambda c: c.needed - c.capacity)
@@ -127,22 +180,30 @@ def check(cfg: ModelConfig, layout: Layout, context: int, weights_format: str | 
                 break
         except ValueError:
             break
-    raise ValueError(f"{context // 1024}K context does not fit {layout.nodes} node(s) of {layout.hw.cards_per_node} x "
-                     f"{layout.hw.memory_per_card / GB:.0f} GB: stage {worst.stage} needs {worst.needed / GB:.1f} GB "
-                     f"per card, {over:.1f} GB more than it has" + (f"; {'; '.join(fix)}" if fix else ""))
+    raise ValueError(
+        f"{context // 1024}K context does not fit {layout.nodes} node(s) of "
+        f"{layout.hw.cards_per_node} x {layout.hw.memory_per_card / GB:.0f} GB: stage "
+        f"{worst.stage} needs {worst.needed / GB:.1f} GB "
+        f"per card, {over:.1f} GB more than it has" + (f"; {'; '.join(fix)}" if fix else "")
+    )
 
 
 def table(cards: list[CardPlan], layout: Layout, context: int, fmt: str) -> str:
-    rows = [f"plan: {layout.nodes} node(s) x {layout.hw.cards_per_node} {layout.hw.name} cards "
-            f"({layout.hw.memory_per_card / GB:.0f} GB), {context // 1024}K context, {fmt} weights, "
-            f"PP={layout.nodes} TP=EP={layout.ranks} (computed, not measured)",
-            f"{'stage':>5} {'layers':>9} {'experts':>8} {'other wt':>9} {'MLA cache':>10} {'indexer':>8} {'workspace':>10} "
-            f"{'runtime':>8} {'headroom':>9} {'total':>8} {'of':>5}  fits"]
+    rows = [
+        f"plan: {layout.nodes} node(s) x {layout.hw.cards_per_node} {layout.hw.name} cards "
+        f"({layout.hw.memory_per_card / GB:.0f} GB), {context // 1024}K context, {fmt} weights, "
+        f"PP={layout.nodes} TP=EP={layout.ranks} (computed, not measured)",
+        f"{'stage':>5} {'layers':>9} {'experts':>8} {'other wt':>9} {'MLA cache':>10} "
+        f"{'indexer':>8} {'workspace':>10} {'runtime':>8} {'headroom':>9} {'total':>8} {'of':>5}  "
+        "fits",
+    ]
     for c in cards:
         m = c.memory
-        rows.append(f"{c.stage:>5} {c.layers.start:>4}-{c.layers.stop - 1:<4} {c.expert_weights / GB:>7.1f}G "
-                    f"{(m.weights - c.expert_weights) / GB:>8.1f}G {m.mla_cache / GB:>9.1f}G "
-                    f"{m.indexer_cache / GB:>7.1f}G {m.workspace / GB:>9.1f}G {m.runtime / GB:>7.1f}G "
-                    f"{c.headroom / GB:>8.1f}G {c.needed / GB:>7.1f}G {c.capacity / GB:>4.0f}G  {'yes' if c.fits else 'NO'}")
+        rows.append(
+            f"{c.stage:>5} {c.layers.start:>4}-{c.layers.stop - 1:<4} "
+            f"{c.expert_weights / GB:>7.1f}G {(m.weights - c.expert_weights) / GB:>8.1f}G "
+            f"{m.mla_cache / GB:>9.1f}G {m.indexer_cache / GB:>7.1f}G {m.workspace / GB:>9.1f}G "
+            f"{m.runtime / GB:>7.1f}G {c.headroom / GB:>8.1f}G {c.needed / GB:>7.1f}G "
+            f"{c.capacity / GB:>4.0f}G  {'yes' if c.fits else 'NO'}"
+        )
     return "\n".join(rows)
-

@@ -26,7 +26,9 @@ class RouteRecorder:
         self.counts: dict[int, list[torch.Tensor]] = {}
 
     def record(self, layer: int, ids: torch.Tensor) -> None:
-        self.counts.setdefault(layer, []).append(torch.bincount(ids.reshape(-1).long(), minlength=self.E))
+        self.counts.setdefault(layer, []).append(
+            torch.bincount(ids.reshape(-1).long(), minlength=self.E)
+        )
 
     def tensor(self) -> dict[int, torch.Tensor]:
         """layer -> [steps, E] route counts."""
@@ -47,14 +49,17 @@ def attach(model, recorder: RouteRecorder | None) -> None:
 
 
 def rank_loads(counts: torch.Tensor, perm: list[int] | None, ranks: int) -> torch.Tensor:
-    """counts [steps, E] (by checkpoint expert id) -> routes per rank [steps, ranks] under a placement."""
+    """counts [steps, E] (by checkpoint expert id) -> routes per rank [steps, ranks] under a
+    placement."""
     E = counts.shape[1]
     perm = list(range(E)) if perm is None else perm
     by_pos = counts[:, torch.tensor(perm)]  # [steps, E] by position
     return by_pos.view(counts.shape[0], ranks, E // ranks).sum(-1)
 
 
-def imbalance(routes: dict[int, torch.Tensor], placement: dict[int, list[int]] | None, ranks: int) -> float:
+def imbalance(
+    routes: dict[int, torch.Tensor], placement: dict[int, list[int]] | None, ranks: int
+) -> float:
     """Mean over layers and steps of busiest rank / mean rank (1.0 is perfect balance)."""
     vals = []
     for l, c in routes.items():
@@ -64,13 +69,18 @@ def imbalance(routes: dict[int, torch.Tensor], placement: dict[int, list[int]] |
     return float(torch.cat(vals).mean()) if vals else 1.0
 
 
-def fit_placement(routes: dict[int, torch.Tensor], ranks: int, cfg: ModelConfig) -> dict[int, list[int]]:
-    """Greedy longest-processing-time per layer: experts by total routes, each to the least-loaded rank
-    that still has room; each rank lists its experts in id order. Balances totals; the per-step busiest
-    rank follows when routing is stable over time."""
+def fit_placement(
+    routes: dict[int, torch.Tensor], ranks: int, cfg: ModelConfig
+) -> dict[int, list[int]]:
+    """Greedy longest-processing-time per layer: experts by total routes, each to the least-loaded
+    rank that still has room; each rank lists its experts in id order. Balances totals; the per-step
+    busiest rank follows when routing is stable over time."""
     E = cfg.n_routed_experts
     if cfg.n_group > 1:
-        raise ValueError(f"placement needs n_group == 1 (GLM-5's); n_group={cfg.n_group} ties experts to their positions")
+        raise ValueError(
+            f"placement needs n_group == 1 (GLM-5's); n_group={cfg.n_group} ties experts to their "
+            "positions"
+        )
     if E % ranks:
         raise ValueError(f"{E} experts do not split over {ranks} EP ranks")
     per = E // ranks
@@ -96,14 +106,23 @@ def check_placement(cfg: ModelConfig, placement: dict[int, list[int]]) -> None:
         if sorted(perm) != list(range(E)):
             missing = sorted(set(range(E)) - set(perm))
             dup = sorted({e for e in perm if perm.count(e) > 1})
-            raise ValueError(f"placement of layer {l} must hold each of the {E} experts once: missing {missing[:8]}, "
-                             f"duplicated {dup[:8]}")
+            raise ValueError(
+                f"placement of layer {l} must hold each of the {E} experts once: missing "
+                f"{missing[:8]}, duplicated {dup[:8]}"
+            )
         if G > 1 and perm != list(range(E)):
-            raise ValueError(f"placement of layer {l}: n_group={G} scores groups by position, so experts cannot move")
+            raise ValueError(
+                f"placement of layer {l}: n_group={G} scores groups by position, so experts cannot "
+                "move"
+            )
 
 
 def save_placement(path: str | Path, placement: dict[int, list[int]], ranks: int) -> None:
-    Path(path).write_text(json.dumps({"ep_ranks": ranks, "layers": {str(k): v for k, v in placement.items()}}, indent=1))
+    Path(path).write_text(
+        json.dumps(
+            {"ep_ranks": ranks, "layers": {str(k): v for k, v in placement.items()}}, indent=1
+        )
+    )
 
 
 def load_placement(path: str | Path) -> dict[int, list[int]]:
@@ -111,13 +130,16 @@ def load_placement(path: str | Path) -> dict[int, list[int]]:
         d = json.loads(Path(path).read_text())
         return {int(k): [int(e) for e in v] for k, v in d["layers"].items()}
     except (OSError, json.JSONDecodeError, KeyError, ValueError) as e:
-        raise ValueError(f"{path} is not a placement file ({e}): make one with `dist-glm5 placement fit`") from None
+        raise ValueError(
+            f"{path} is not a placement file ({e}): make one with `dist-glm5 placement fit`"
+        ) from None
 
 
 def layouts(routes: dict[int, torch.Tensor], cards: int, cfg: ModelConfig) -> list[dict]:
-    """EP x TP splits of a stage's `cards` (EP ranks hold whole experts, TP splits each expert's matrices):
-    for each, the busiest rank's expert work per step after a fitted placement, in routes-equivalents
-    (routes on the busiest EP rank / TP). Lower is faster; the list is sorted best first."""
+    """EP x TP splits of a stage's `cards` (EP ranks hold whole experts, TP splits each expert's
+    matrices): for each, the busiest rank's expert work per step after a fitted placement, in
+    routes-equivalents (routes on the busiest EP rank / TP). Lower is faster; the list is sorted
+    best first."""
     out = []
     for ep in (d for d in range(1, cards + 1) if cards % d == 0 and cfg.n_routed_experts % d == 0):
         tp = cards // ep
@@ -127,5 +149,7 @@ def layouts(routes: dict[int, torch.Tensor], cards: int, cfg: ModelConfig) -> li
             loads = rank_loads(c, (pl or {}).get(l), ep).float()
             busiest.append(loads.max(-1).values)
         work = float(torch.cat(busiest).mean()) / tp
-        out.append({"ep": ep, "tp": tp, "busiest_rank_work": work, "imbalance": imbalance(routes, pl, ep)})
+        out.append(
+            {"ep": ep, "tp": tp, "busiest_rank_work": work, "imbalance": imbalance(routes, pl, ep)}
+        )
     return sorted(out, key=lambda r: r["busiest_rank_work"])

@@ -15,7 +15,9 @@ def partition_layers(cfg: ModelConfig, stages: int) -> list[range]:
     if stages < 1:
         raise ValueError(f"stages={stages}: need at least 1 pipeline stage")
     if stages > n:
-        raise ValueError(f"stages={stages} is more than the model's {n} layers: use at most {n} stages")
+        raise ValueError(
+            f"stages={stages} is more than the model's {n} layers: use at most {n} stages"
+        )
     full = [i for i in range(n) if cfg.indexer_types[i] == "full"]
     bounds = [0]
     for s in range(1, stages):
@@ -23,8 +25,10 @@ def partition_layers(cfg: ModelConfig, stages: int) -> list[range]:
         # nearest full layer to the even split that keeps every stage non-empty
         cands = [i for i in full if bounds[-1] < i <= n - (stages - s)]
         if not cands:
-            raise ValueError(f"cannot split {n} layers into {stages} stages that each start with a 'full' DSA layer "
-                             f"(indexer_types has full layers at {full}): use fewer stages")
+            raise ValueError(
+                f"cannot split {n} layers into {stages} stages that each start with a 'full' DSA "
+                f"layer (indexer_types has full layers at {full}): use fewer stages"
+            )
         bounds.append(min(cands, key=lambda i: (abs(i - ideal), i)))
     bounds.append(n)
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
@@ -32,6 +36,9 @@ def partition_layers(cfg: ModelConfig, stages: int) -> list[range]:
 
 def expert_ranges(n_experts: int, ep: int) -> list[range]:
     if ep < 1 or n_experts % ep:
-        raise ValueError(f"ep={ep} must divide n_routed_experts={n_experts} (every rank holds the same number of experts)")
+        raise ValueError(
+            f"ep={ep} must divide n_routed_experts={n_experts} (every rank holds the same number "
+            "of experts)"
+        )
     k = n_experts // ep
     return [range(r * k, (r + 1) * k) for r in range(ep)]

@@ -1,8 +1,8 @@
 """Memory planner: what one worker (a stage's rank) needs, by kind.
 
-weights      the stage's tensors at their stored/compute size (MXFP4 experts: 0.5 B per element + one
-             scale byte per 32), routed experts divided over EP ranks or TP-split, attention and dense
-             MLP over TP ranks, embedding / lm_head / MTP where the stage holds them
+weights      the stage's tensors at their stored/compute size (MXFP4 experts: 0.5 B per element +
+             one scale byte per 32), routed experts divided over EP ranks or TP-split, attention
+             and dense MLP over TP ranks, embedding / lm_head / MTP where the stage holds them
 mla_cache    (kv_lora_rank + qk_rope_head_dim) values per token per layer (replicated on TP ranks)
 indexer      index_head_dim values per token per layer that runs an indexer
 workspace    a prefill chunk's activations, the indexer's score rows and DSA keep-masks, and the
@@ -35,36 +35,71 @@ class WorkerMemory:
         return sum(getattr(self, f.name) for f in fields(self))
 
 
-def stage_expert_bytes(cfg: ModelConfig, layers: range, mtp: bool, tp: int = 1, ep: int = 1, dtype_bytes: int = 2,
-                       experts_format: str | None = None) -> int:
+def stage_expert_bytes(
+    cfg: ModelConfig,
+    layers: range,
+    mtp: bool,
+    tp: int = 1,
+    ep: int = 1,
+    dtype_bytes: int = 2,
+    experts_format: str | None = None,
+) -> int:
     """The routed experts' share of stage_weight_bytes (MXFP4: packed elements + E8M0 scales)."""
     fmt = experts_format or cfg.experts_format
     e = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     per = e // 2 + e // 32 if fmt == "mxfp4" else e * dtype_bytes
     local = cfg.n_routed_experts // ep if ep > 1 else cfg.n_routed_experts
-    own = list(layers) + ([cfg.num_hidden_layers + j for j in range(cfg.num_nextn_predict_layers)] if mtp else [])
+    own = list(layers) + (
+        [cfg.num_hidden_layers + j for j in range(cfg.num_nextn_predict_layers)] if mtp else []
+    )
     return sum(cfg.is_moe_layer(i) for i in own) * local * per // (tp if ep == 1 else 1)
 
 
-def stage_weight_bytes(cfg: ModelConfig, layers: range, first: bool, last: bool, mtp: bool, tp: int = 1, ep: int = 1,
-                       dtype_bytes: int = 2, experts_format: str | None = None) -> int:
+def stage_weight_bytes(
+    cfg: ModelConfig,
+    layers: range,
+    first: bool,
+    last: bool,
+    mtp: bool,
+    tp: int = 1,
+    ep: int = 1,
+    dtype_bytes: int = 2,
+    experts_format: str | None = None,
+) -> int:
     """Bytes of the weights one rank of a stage holds."""
     fmt = experts_format or cfg.experts_format
     H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
     h = cfg.num_attention_heads
-    attn = (H * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim // tp
-            + H * cfg.kv_cache_dim + cfg.kv_lora_rank + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim) // tp
-            + h * cfg.v_head_dim * H // tp + 2 * H)
-    indexer = cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + H * cfg.index_head_dim \
-        + 2 * cfg.index_head_dim + H * cfg.index_n_heads
+    attn = (
+        H * cfg.q_lora_rank
+        + cfg.q_lora_rank
+        + cfg.q_lora_rank * h * cfg.qk_head_dim // tp
+        + H * cfg.kv_cache_dim
+        + cfg.kv_lora_rank
+        + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim) // tp
+        + h * cfg.v_head_dim * H // tp
+        + 2 * H
+    )
+    indexer = (
+        cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim
+        + H * cfg.index_head_dim
+        + 2 * cfg.index_head_dim
+        + H * cfg.index_n_heads
+    )
     expert_elems = 3 * H * I
-    expert_bytes = expert_elems // 2 + expert_elems // 32 if fmt == "mxfp4" else expert_elems * dtype_bytes
+    expert_bytes = (
+        expert_elems // 2 + expert_elems // 32 if fmt == "mxfp4" else expert_elems * dtype_bytes
+    )
     local_experts = E // ep if ep > 1 else E
-    moe = (local_experts * expert_bytes // (tp if ep == 1 else 1)
-           + (3 * H * I * cfg.n_shared_experts // tp + E * H + E) * dtype_bytes)
+    moe = (
+        local_experts * expert_bytes // (tp if ep == 1 else 1)
+        + (3 * H * I * cfg.n_shared_experts // tp + E * H + E) * dtype_bytes
+    )
     dense = 3 * H * cfg.intermediate_size // tp * dtype_bytes
     total = 0
-    all_layers = list(layers) + ([cfg.num_hidden_layers + j for j in range(cfg.num_nextn_predict_layers)] if mtp else [])
+    all_layers = list(layers) + (
+        [cfg.num_hidden_layers + j for j in range(cfg.num_nextn_predict_layers)] if mtp else []
+    )
     for i in all_layers:
         total += (attn + (indexer if cfg.has_indexer(i) else 0)) * dtype_bytes
         total += moe if cfg.is_moe_layer(i) else dense
@@ -79,24 +114,64 @@ def stage_weight_bytes(cfg: ModelConfig, layers: range, first: bool, last: bool,
     return total
 
 
-def model_weight_bytes(cfg: ModelConfig, experts_format: str = "mxfp4", mtp: bool = False, dtype_bytes: int = 2) -> int:
+def model_weight_bytes(
+    cfg: ModelConfig, experts_format: str = "mxfp4", mtp: bool = False, dtype_bytes: int = 2
+) -> int:
     """The whole model's weights, unsharded (the figure a release's size is quoted in)."""
-    return stage_weight_bytes(cfg, range(cfg.num_hidden_layers), True, True, mtp, 1, 1, dtype_bytes, experts_format)
+    return stage_weight_bytes(
+        cfg, range(cfg.num_hidden_layers), True, True, mtp, 1, 1, dtype_bytes, experts_format
+    )
 
 
-def worker_memory(cfg: ModelConfig, layers: range, first: bool, last: bool, mtp: bool, cache_tokens: int,
-                  chunk_tokens: int, context: int, tp: int = 1, ep: int = 1, dtype_bytes: int = 2,
-                  cache_bytes: int | None = None, dsa: DSAConfig = DSAConfig(), backend: str = "cpu",
-                  experts_format: str | None = None) -> WorkerMemory:
+_DEFAULT_DSA = DSAConfig()
+
+
+def worker_memory(
+    cfg: ModelConfig,
+    layers: range,
+    first: bool,
+    last: bool,
+    mtp: bool,
+    cache_tokens: int,
+    chunk_tokens: int,
+    context: int,
+    tp: int = 1,
+    ep: int = 1,
+    dtype_bytes: int = 2,
+    cache_bytes: int | None = None,
+    dsa: DSAConfig = _DEFAULT_DSA,
+    backend: str = "cpu",
+    experts_format: str | None = None,
+) -> WorkerMemory:
     cb = cache_bytes or dtype_bytes
-    own = list(layers) + ([cfg.num_hidden_layers + j for j in range(cfg.num_nextn_predict_layers)] if mtp else [])
+    own = list(layers) + (
+        [cfg.num_hidden_layers + j for j in range(cfg.num_nextn_predict_layers)] if mtp else []
+    )
     mla = cache_tokens * cfg.kv_cache_dim * cb * len(own)
     idx = cache_tokens * cfg.index_head_dim * cb * sum(cfg.has_indexer(i) for i in own)
-    wide = max(cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads * cfg.qk_head_dim // tp,
-               cfg.intermediate_size // tp, cfg.index_n_heads * cfg.index_head_dim)
-    activations = chunk_tokens * wide * 4 * 16  # a dozen or so [chunk, wide] fp32 buffers live at once
-    scores = dsa.gather_cap_bytes  # score rows: fp32 scores, int32 order keys, masks (capped, dsa.score_rows)
-    masks = 2 * chunk_tokens * context  # a full layer's keep-mask, held for the shared layer after it
-    gathers = 4 * dsa.gather_cap_bytes  # the gather, its fp32 copy, scores and probabilities, each capped
-    return WorkerMemory(stage_weight_bytes(cfg, layers, first, last, mtp, tp, ep, dtype_bytes, experts_format),
-                        mla, idx, activations + scores + masks + gathers, RUNTIME_BYTES[backend])
+    wide = max(
+        cfg.hidden_size,
+        cfg.q_lora_rank,
+        cfg.num_attention_heads * cfg.qk_head_dim // tp,
+        cfg.intermediate_size // tp,
+        cfg.index_n_heads * cfg.index_head_dim,
+    )
+    activations = (
+        chunk_tokens * wide * 4 * 16
+    )  # a dozen or so [chunk, wide] fp32 buffers live at once
+    scores = (
+        dsa.gather_cap_bytes
+    )  # score rows: fp32 scores, int32 order keys, masks (capped, dsa.score_rows)
+    masks = (
+        2 * chunk_tokens * context
+    )  # a full layer's keep-mask, held for the shared layer after it
+    gathers = (
+        4 * dsa.gather_cap_bytes
+    )  # the gather, its fp32 copy, scores and probabilities, each capped
+    return WorkerMemory(
+        stage_weight_bytes(cfg, layers, first, last, mtp, tp, ep, dtype_bytes, experts_format),
+        mla,
+        idx,
+        activations + scores + masks + gathers,
+        RUNTIME_BYTES[backend],
+    )

@@ -1,15 +1,17 @@
 """MXFP4 codec (OCP Microscaling, E2M1 elements, E8M0 block scales): encode and decode.
 
 Layout (what AMD Quark exports and vLLM loads):
-  packed [..., K/2] uint8   two E2M1 codes per byte, element 2j in the LOW nibble, 2j+1 in the high one.
+  packed [..., K/2] uint8   two E2M1 codes per byte, element 2j in the LOW nibble, 2j+1 in the
+                            high one.
   scales [..., K/32] uint8  one E8M0 byte per block of 32 consecutive elements along the LAST
                             (input) dimension; value 2^(byte-127), 0xFF is NaN.
 E2M1 codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign.
 
 Two scale rules, each byte-identical to a real encoder (tests/test_mxfp4_oracles.py checks both):
 
-"quark"  AMD Quark's default ("even") rule, as exported by amd-quark 0.13 (`StaticScaledRealQuantizer.
-         to_real_quantize_params` + `maybe_convert_and_transpose_scale`). The block amax is rounded to
+"quark"  AMD Quark's default ("even") rule, as exported by amd-quark 0.13
+         (`StaticScaledRealQuantizer.to_real_quantize_params` +
+         `maybe_convert_and_transpose_scale`). The block amax is rounded to
          E2M1's one mantissa bit first (add 1<<21 to its fp32 bits, clear the mantissa), then
          X = clamp(floor(log2(.)) - 2, -127, 127); elements RNE(v / 2^X) to E2M1, saturating at 6.
          Byte quirks reproduced (measured on amd-quark 0.13, x86-64 CPU):
@@ -63,8 +65,24 @@ RULES: tuple[str, ...] = ("quark", "ocp")
 BLOCK = 32
 
 # E2M1 code -> value (codes 8..15 are the negatives, code 8 is -0).
-E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                                  -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES: tuple[float, ...] = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 
 # Elements per encode chunk (1 MB of bf16; the temporaries are ~8 B per element).
 _CHUNK_ELEMS = 1 << 19
@@ -114,10 +132,11 @@ def _build_luts() -> dict[str, Tensor]:
 
 _LUTS = _build_luts()
 
-# Common-path table: indexed directly by (sign-extended bf16 bits) - offset + _WIDE_BASE, which folds
-# the clamp and the sign into one lookup. With every block normal, offset = (X << 7) + _LUT_LO lies
-# in [384, 31872], so positive values land in [_WIDE_BASE - 31872, _WIDE_BASE + 768] and negative
-# ones (bits = |bits| - 32768) in [0, _WIDE_BASE - 32000]: disjoint ranges of one 65K-entry table.
+# Common-path table: indexed directly by (sign-extended bf16 bits) - offset + _WIDE_BASE, which
+# folds the clamp and the sign into one lookup. With every block normal, offset = (X << 7) + _LUT_LO
+# lies in [384, 31872], so positive values land in [_WIDE_BASE - 31872, _WIDE_BASE + 768] and
+# negative ones (bits = |bits| - 32768) in [0, _WIDE_BASE - 32000]: disjoint ranges of one 65K-entry
+# table.
 _WIDE_BASE = 32768 + 31872
 _WIDE_SIZE = _WIDE_BASE + 0x7FFF - _LUT_LO + 1
 
@@ -134,16 +153,21 @@ _WIDE_LUTS = _build_wide_luts()
 # 2^e for e in -127..127 as exact fp32 (2^-127 is subnormal), indexed by e + 127.
 _POW2 = torch.tensor([math.ldexp(1.0, e) for e in range(-127, 128)], dtype=torch.float32)
 # E8M0 byte -> scale value; 0xFF is NaN.
-_E8M0_VALUES = torch.tensor([math.ldexp(1.0, b - 127) for b in range(255)] + [math.nan], dtype=torch.float32)
+_E8M0_VALUES = torch.tensor(
+    [math.ldexp(1.0, b - 127) for b in range(255)] + [math.nan], dtype=torch.float32
+)
 # packed byte -> (value of low nibble, value of high nibble)
-_PAIR_VALUES = torch.tensor([[E2M1_VALUES[b & 15], E2M1_VALUES[b >> 4]] for b in range(256)],
-                            dtype=torch.float32)
+_PAIR_VALUES = torch.tensor(
+    [[E2M1_VALUES[b & 15], E2M1_VALUES[b >> 4]] for b in range(256)], dtype=torch.float32
+)
 
 
 def _check_rule(rule: str) -> None:
     if rule not in RULES:
-        raise ValueError(f"unknown MXFP4 scale rule {rule!r}; use one of {RULES} "
-                         "('quark' = AMD Quark's default even rule, 'ocp' = OCP floor rule as in torchao)")
+        raise ValueError(
+            f"unknown MXFP4 scale rule {rule!r}; use one of {RULES} "
+            "('quark' = AMD Quark's default even rule, 'ocp' = OCP floor rule as in torchao)"
+        )
 
 
 def _scale_from_amax_bits(amax: Tensor, rule: str) -> tuple[Tensor, Tensor]:
@@ -155,7 +179,8 @@ def _scale_from_amax_bits(amax: Tensor, rule: str) -> tuple[Tensor, Tensor]:
     a = amax.to(torch.int32)
     is_nan = a > _BF16_INF
     if rule == "quark":
-        # Round the amax mantissa to one bit (in bf16 terms 1<<21 of fp32 is 1<<5), keep the exponent.
+        # Round the amax mantissa to one bit (in bf16 terms 1<<21 of fp32 is 1<<5), keep the
+        # exponent.
         e = (a + 0x20) >> 7
         x = torch.clamp(e - 129, -127, 125)  # floor(log2(rounded amax)) - emax, E2M1 emax = 2
         x = torch.where(e >= 255, 127, x)  # rounded to inf: Quark clamps log2 = inf to 127
@@ -238,10 +263,13 @@ def _encode_rows(x: Tensor, rule: str, packed_out: Tensor, scales_out: Tensor) -
     if not rare:
         # Common case, every block normal: X = E - 129 lies in [-121, 125], no clamp applies, and
         # (X << 7) is the exponent field itself, so both byte and offset are 2-3 int16 ops.
-        e_bits = (amax + 0x20) if rule == "quark" else amax.clone()  # quark: round the amax mantissa
+        e_bits = (
+            (amax + 0x20) if rule == "quark" else amax.clone()
+        )  # quark: round the amax mantissa
         e_bits &= ~0x7F  # E << 7
         scales_out.copy_((e_bits >> 7) - 2)  # byte = X + 127 = E - 2
-        # index = bits - offset + _WIDE_BASE with offset = (X << 7) + _LUT_LO = (E << 7) - (129 << 7) + _LUT_LO
+        # index = bits - offset + _WIDE_BASE with
+        # offset = (X << 7) + _LUT_LO = (E << 7) - (129 << 7) + _LUT_LO
         idx = bits.view(r, nb, BLOCK).to(torch.int32)
         idx -= e_bits.to(torch.int32).sub_((129 << 7) - _LUT_LO + _WIDE_BASE)[..., None]
         lut = _WIDE_LUTS[rule] if x.device.type == "cpu" else _WIDE_LUTS[rule].to(x.device)
@@ -269,18 +297,22 @@ def _encode_rows(x: Tensor, rule: str, packed_out: Tensor, scales_out: Tensor) -
     if lo < _TINY_AMAX_BITS or hi >= _BF16_INF:
         special = (amax < _TINY_AMAX_BITS) | (amax >= _BF16_INF)  # [r, nb]
         n_special = int(special.sum())
-        fixed = _encode_blocks_float(x.view(r, nb, BLOCK)[special], x_el[special],
-                                     amax[special] > _BF16_INF, rule)
+        fixed = _encode_blocks_float(
+            x.view(r, nb, BLOCK)[special], x_el[special], amax[special] > _BF16_INF, rule
+        )
         codes.view(r, nb, BLOCK)[special] = fixed
 
-    # Two codes -> one byte: as int16 a pair is lo | hi << 8; (c | c >> 4) has lo | hi << 4 in its low byte.
+    # Two codes -> one byte: as int16 a pair is lo | hi << 8; (c | c >> 4) has lo | hi << 4 in its
+    # low byte.
     pairs = codes.view(torch.int16)
     pairs = pairs | (pairs >> 4)
     packed_out.view(-1).copy_(pairs)  # int16 -> uint8 keeps the low byte
     return n_special
 
 
-def encode(w: Tensor, rule: Rule = "quark", rows_per_chunk: int | None = None) -> tuple[Tensor, Tensor]:
+def encode(
+    w: Tensor, rule: Rule = "quark", rows_per_chunk: int | None = None
+) -> tuple[Tensor, Tensor]:
     """Quantise w [..., K] to MXFP4 along its last (input) dimension.
 
     Returns (packed uint8 [..., K/2], scales uint8 [..., K/32]); see the module docstring for the
@@ -291,15 +323,18 @@ def encode(w: Tensor, rule: Rule = "quark", rows_per_chunk: int | None = None) -
     _check_rule(rule)
     if not isinstance(w, Tensor) or w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         got = w.dtype if isinstance(w, Tensor) else type(w).__name__
-        raise TypeError(f"MXFP4 encode takes a bf16, fp16 or fp32 tensor, got {got}; "
-                        "convert it with .to(torch.float32) first")
+        raise TypeError(
+            f"MXFP4 encode takes a bf16, fp16 or fp32 tensor, got {got}; "
+            "convert it with .to(torch.float32) first"
+        )
     if w.dim() == 0 or w.shape[-1] % BLOCK != 0:
         shape = tuple(w.shape)
         k = shape[-1] if shape else None
         raise ValueError(
             f"MXFP4 encode needs the last dimension to be a multiple of {BLOCK} (blocks of {BLOCK} "
-            f"along the input dimension), got shape {shape} (last dim {k}); pad the input dimension "
-            f"with zeros to a multiple of {BLOCK} (or keep this tensor in bf16)")
+            f"along the input dimension), got shape {shape} (last dim {k}); pad the input "
+            f"dimension with zeros to a multiple of {BLOCK} (or keep this tensor in bf16)"
+        )
     lead, k = tuple(w.shape[:-1]), w.shape[-1]
     x = w.reshape(-1, k)
     rows = x.shape[0]
@@ -312,32 +347,51 @@ def encode(w: Tensor, rule: Rule = "quark", rows_per_chunk: int | None = None) -
     n_special = 0
     for start in range(0, rows, rows_per_chunk):
         stop = min(rows, start + rows_per_chunk)
-        n_special += _encode_rows(x[start:stop].contiguous(), rule, packed[start:stop], scales[start:stop])
+        n_special += _encode_rows(
+            x[start:stop].contiguous(), rule, packed[start:stop], scales[start:stop]
+        )
     if n_special:
-        logger.debug("mxfp4.encode(%s): %d of %d blocks had NaN/inf or amax < 2^-119 (float path)",
-                     rule, n_special, scales.numel())
+        logger.debug(
+            "mxfp4.encode(%s): %d of %d blocks had NaN/inf or amax < 2^-119 (float path)",
+            rule,
+            n_special,
+            scales.numel(),
+        )
     return packed.view(*lead, k // 2), scales.view(*lead, k // BLOCK)
 
 
-def encode_chunked(w: Tensor, rule: Rule = "quark", rows_per_chunk: int = 256) -> tuple[Tensor, Tensor]:
+def encode_chunked(
+    w: Tensor, rule: Rule = "quark", rows_per_chunk: int = 256
+) -> tuple[Tensor, Tensor]:
     """encode() with an explicit number of rows per chunk: peak extra memory is the output
     (K/2 + K/32 bytes per row) plus ~8 bytes per element of one chunk."""
     return encode(w, rule, rows_per_chunk=rows_per_chunk)
 
 
-def decode(packed: Tensor, scales: Tensor, dtype: torch.dtype = torch.bfloat16,
-           rows_per_chunk: int | None = None) -> Tensor:
+def decode(
+    packed: Tensor,
+    scales: Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    rows_per_chunk: int | None = None,
+) -> Tensor:
     """packed uint8 [..., K/2], scales uint8 [..., K/32] -> values [..., K] in dtype.
 
     value = E2M1(code) * 2^(byte - 127), computed exactly in fp32 then cast; byte 0xFF gives NaN.
     """
     if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise TypeError(f"MXFP4 decode takes uint8 packed and scales, got {packed.dtype} and {scales.dtype}")
-    if packed.dim() == 0 or packed.shape[:-1] != scales.shape[:-1] or packed.shape[-1] * 2 != scales.shape[-1] * BLOCK:
+        raise TypeError(
+            f"MXFP4 decode takes uint8 packed and scales, got {packed.dtype} and {scales.dtype}"
+        )
+    if (
+        packed.dim() == 0
+        or packed.shape[:-1] != scales.shape[:-1]
+        or packed.shape[-1] * 2 != scales.shape[-1] * BLOCK
+    ):
         raise ValueError(
             f"MXFP4 shapes do not match: packed {tuple(packed.shape)} needs scales "
             f"{tuple(packed.shape[:-1]) + (packed.shape[-1] * 2 // BLOCK,)} (one byte per {BLOCK} "
-            f"elements = {BLOCK // 2} packed bytes), got {tuple(scales.shape)}")
+            f"elements = {BLOCK // 2} packed bytes), got {tuple(scales.shape)}"
+        )
     lead, half = tuple(packed.shape[:-1]), packed.shape[-1]
     k = half * 2
     nb = k // BLOCK
@@ -352,8 +406,14 @@ def decode(packed: Tensor, scales: Tensor, dtype: torch.dtype = torch.bfloat16,
     for start in range(0, rows, rows_per_chunk):
         stop = min(rows, start + rows_per_chunk)
         r = stop - start
-        vals = torch.index_select(pair_values, 0, p[start:stop].reshape(-1).to(torch.int32))  # [r*K/2, 2]
+        vals = torch.index_select(
+            pair_values, 0, p[start:stop].reshape(-1).to(torch.int32)
+        )  # [r*K/2, 2]
         vals = vals.view(r, nb, BLOCK)
-        vals.mul_(torch.index_select(scale_values, 0, s[start:stop].reshape(-1).to(torch.int32)).view(r, nb, 1))
+        vals.mul_(
+            torch.index_select(scale_values, 0, s[start:stop].reshape(-1).to(torch.int32)).view(
+                r, nb, 1
+            )
+        )
         out[start:stop].copy_(vals.view(r, k))
     return out.view(*lead, k)

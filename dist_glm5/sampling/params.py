@@ -50,7 +50,9 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "bad_words", tuple(tuple(w) for w in self.bad_words))
-        object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
+        object.__setattr__(
+            self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()}
+        )
 
     @property
     def greedy(self) -> bool:
@@ -61,4 +63,7 @@ def check_vocab(p: SamplingParams, vocab: int) -> None:
     ids = [*p.stop_token_ids, *p.logit_bias, *(t for w in p.bad_words for t in w)]
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"token ids {bad[:5]} in the sampling parameters are outside the vocabulary 0..{vocab - 1}")
+        raise ValueError(
+            f"token ids {bad[:5]} in the sampling parameters are outside the vocabulary "
+            f"0..{vocab - 1}"
+        )

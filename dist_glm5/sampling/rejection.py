@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 
-def verify_draft(p: torch.Tensor, q: torch.Tensor | None, draft: int, greedy: bool,
-                 gen: torch.Generator | None) -> tuple[bool, int | None]:
+def verify_draft(
+    p: torch.Tensor, q: torch.Tensor | None, draft: int, greedy: bool, gen: torch.Generator | None
+) -> tuple[bool, int | None]:
     """p, q: [V] probabilities. Returns (accepted, replacement token if rejected)."""
     if greedy:
         target = int(torch.argmax(p))

@@ -15,7 +15,9 @@ import torch
 from dist_glm5.sampling.params import SamplingParams
 
 
-def process_logits(logits: torch.Tensor, p: SamplingParams, history: list[int], eos: tuple[int, ...]) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor, p: SamplingParams, history: list[int], eos: tuple[int, ...]
+) -> torch.Tensor:
     """logits [V] fp32 -> logits after logit_bias, min_tokens and bad_words (before temperature)."""
     x = logits.float().clone()
     for tok, b in p.logit_bias.items():
@@ -25,13 +27,16 @@ def process_logits(logits: torch.Tensor, p: SamplingParams, history: list[int], 
         if ban:
             x[list(ban)] = float("-inf")
     for w in p.bad_words:
-        if len(w) == 1 or (len(history) >= len(w) - 1 and tuple(history[len(history) - len(w) + 1:]) == w[:-1]):
+        if len(w) == 1 or (
+            len(history) >= len(w) - 1 and tuple(history[len(history) - len(w) + 1 :]) == w[:-1]
+        ):
             x[w[-1]] = float("-inf")
     return x
 
 
 def filtered_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """logits: [V] fp32 -> log-probabilities [V] after temperature and the filters (-inf where removed)."""
+    """logits: [V] fp32 -> log-probabilities [V] after temperature and the filters (-inf where
+    removed)."""
     x = logits.float() / p.temperature
     if p.top_k and p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k).values[-1]
@@ -48,7 +53,8 @@ def filtered_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def target_probs(processed: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The distribution a token is drawn from: [V] probabilities (one-hot at the argmax when greedy)."""
+    """The distribution a token is drawn from: [V] probabilities (one-hot at the argmax when
+    greedy)."""
     if p.greedy:
         return torch.zeros_like(processed).scatter_(0, processed.argmax().view(1), 1.0)
     return filtered_logprobs(processed, p).exp()
@@ -64,13 +70,22 @@ def token_logprobs(logits: torch.Tensor, token: int, n: int) -> dict:
     """The raw model log-probability of `token` and the top-n alternatives."""
     lp = torch.log_softmax(logits.float(), -1)
     top = torch.topk(lp, n) if n else None
-    return {"token": token, "logprob": float(lp[token]),
-            "top": [[int(i), float(v)] for v, i in zip(top.values, top.indices)] if top is not None else []}
+    return {
+        "token": token,
+        "logprob": float(lp[token]),
+        "top": [[int(i), float(v)] for v, i in zip(top.values, top.indices)]
+        if top is not None
+        else [],
+    }
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
     """logits: [B, V] -> token ids [B] int64 (no history-dependent processing)."""
-    return torch.tensor([sample_one(logits[i], p, generators[i]) for i, p in enumerate(params)], dtype=torch.int64)
+    return torch.tensor(
+        [sample_one(logits[i], p, generators[i]) for i, p in enumerate(params)], dtype=torch.int64
+    )
 
 
 def make_generator(p: SamplingParams) -> torch.Generator | None:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from dist_glm5.model.config import ModelConfig
 from dist_glm5.checkpoint.safetensors_io import save_streaming
 from dist_glm5.checkpoint.tokenizer import BYTE_TOKENIZER
+from dist_glm5.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 CONFIG_PATH = Path(__file__).with_name("config.json")
@@ -30,7 +30,8 @@ def cache_root() -> Path:
 
 
 def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Deterministic weights under HF names; scales chosen so activations stay O(1) through the stack."""
+    """Deterministic weights under HF names; scales chosen so activations stay O(1) through the
+    stack."""
     from dist_glm5.checkpoint.loader import hf_state_dict
     from dist_glm5.model.glm5 import Glm5Model
 
