@@ -4,28 +4,37 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runtime_util import prompts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import dist_glm5.model.dsa as dsa
+from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa import DSAConfig, gather_plan
-from dist_glm5.model.reference_loop import full_logits, generate
 from dist_glm5.model.indexer import select_topk_reference
 from dist_glm5.model.kv_cache import Chunk
-from dist_glm5.checkpoint.loader import load_model
-from dist_glm5.sampling.params import SamplingParams
+from dist_glm5.model.reference_loop import full_logits, generate
 from dist_glm5.ops.topk import kth_largest_bisect, pack_mask, select_topk_bisect, unpack_mask
-from runtime_util import prompts
+from dist_glm5.sampling.params import SamplingParams
 
 INF = float("inf")
 
 
-@pytest.mark.parametrize("rows", [
-    torch.randn(6, 257, generator=torch.Generator().manual_seed(0)),
-    torch.randint(-2, 3, (5, 100), generator=torch.Generator().manual_seed(1)).float(),  # many ties
-    torch.full((3, 50), 0.75),  # all equal
-    torch.tensor([[-INF] * 8 + [1.0, 2.0], [INF, 3.0, 3.0, -1.0, -INF, 0.0, -0.0, 2.0, 2.0, 1e-45]]),
-    torch.tensor([[1e38, -1e38, 1e-38, -1e-38, 3.4e38, -3.4e38, 0.0, 5.0]]),
-])
+@pytest.mark.parametrize(
+    "rows",
+    [
+        torch.randn(6, 257, generator=torch.Generator().manual_seed(0)),
+        torch.randint(
+            -2, 3, (5, 100), generator=torch.Generator().manual_seed(1)
+        ).float(),  # many ties
+        torch.full((3, 50), 0.75),  # all equal
+        torch.tensor(
+            [[-INF] * 8 + [1.0, 2.0], [INF, 3.0, 3.0, -1.0, -INF, 0.0, -0.0, 2.0, 2.0, 1e-45]]
+        ),
+        torch.tensor([[1e38, -1e38, 1e-38, -1e-38, 3.4e38, -3.4e38, 0.0, 5.0]]),
+    ],
+)
 def test_bisection_kth_equals_torch_topk(rows):
     for k in sorted({1, 2, 3, rows.shape[-1] // 2, rows.shape[-1]}):
         assert torch.equal(kth_largest_bisect(rows, k), rows.topk(k).values[..., -1]), k
@@ -41,7 +50,10 @@ def test_bisection_selection_equals_the_reference_tie_rule():
         q = torch.randint(0, L, (9,), generator=g)
         q[0] = 0  # a row with a single valid key (fewer than k)
         for k in (1, 4, 64, 1000):
-            assert torch.equal(select_topk_bisect(s, q, k), select_topk_reference(s, q, k)), (trial, k)
+            assert torch.equal(select_topk_bisect(s, q, k), select_topk_reference(s, q, k)), (
+                trial,
+                k,
+            )
 
 
 def test_masks_pack_to_bits():
@@ -53,10 +65,13 @@ def test_masks_pack_to_bits():
 
 CONFIGS = {
     "union windows": DSAConfig(mode="sparse", dense_threshold=0, window=16, union_max_frac=1.0),
-    "dense with the selection as mask": DSAConfig(mode="sparse", dense_threshold=0, union_max_frac=1e-9),
+    "dense with the selection as mask": DSAConfig(
+        mode="sparse", dense_threshold=0, union_max_frac=1e-9
+    ),
     "dense below the threshold": DSAConfig(mode="sparse"),
-    "tiny gather cap": DSAConfig(mode="sparse", dense_threshold=0, window=8, gather_cap_bytes=24 * 1024,
-                                 indexer_row_chunk=7),
+    "tiny gather cap": DSAConfig(
+        mode="sparse", dense_threshold=0, window=8, gather_cap_bytes=24 * 1024, indexer_row_chunk=7
+    ),
 }
 
 
@@ -72,8 +87,12 @@ def test_sparse_logits_and_greedy_tokens_match_reference(default_model, sparse_m
     for p in ps[:2]:
         err = (full_logits(sp, p) - full_logits(default_model, p)).abs().max().item()
         assert err <= 1e-4, (name, err)
-    P = SamplingParams(max_tokens=24, ignore_eos=True)  # decode crosses 64 keys for the short prompt too
-    assert [g.token_ids for g in generate(sp, ps, P)] == [g.token_ids for g in generate(default_model, ps, P)]
+    P = SamplingParams(
+        max_tokens=24, ignore_eos=True
+    )  # decode crosses 64 keys for the short prompt too
+    assert [g.token_ids for g in generate(sp, ps, P)] == [
+        g.token_ids for g in generate(default_model, ps, P)
+    ]
 
 
 def test_sparse_selects_exactly_the_reference_keys(default_model, sparse_models):
@@ -104,10 +123,79 @@ def test_every_gather_in_a_run_stays_under_the_cap(sparse_models):
         dsa.GATHER_LOG = None
 
 
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class CacheReads(TorchDispatchMode):
+    """Sees every aten op; records each one that reads a KV or indexer cache tensor and returns a
+    newly allocated tensor (a gather, a copy, anything materialised from the cache): the op and the
+    real output's storage bytes. In-place cache writes and views of the cache are not reads."""
+
+    def __init__(self, cache):
+        super().__init__()
+        stores = (("kv", cache.kv), ("index", cache.index_k))
+        self.stores = {_storage(t): kind for kind, d in stores for t in d.values()}
+        self.reads: list[tuple[str, str, int]] = []  # (op, which cache, bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        read = {self.stores.get(_storage(t)) for t in ins} - {None}
+        if read:
+            for o in tree_flatten(out)[0]:
+                if isinstance(o, torch.Tensor) and _storage(o) not in self.stores:
+                    nbytes = o.untyped_storage().nbytes()
+                    self.reads.append((str(func), "+".join(sorted(read)), nbytes))
+        return out
+
+
+def _cache_reads_of_a_run(model_dir, cap):
+    """Prefill two prompts (250 and 90 tokens, one forward) and decode 4 greedy steps on the
+    sparse path with the given gather cap, recording every materialised cache read."""
+    m = load_model(model_dir).set_dsa(
+        DSAConfig(
+            mode="sparse", dense_threshold=0, window=8, gather_cap_bytes=cap, indexer_row_chunk=7
+        )
+    )
+    ps = prompts([250, 90], seed=6)
+    cache = m.new_cache(32, 16)
+    mode = CacheReads(cache)
+    with torch.no_grad(), mode:
+        b = cache.prepare([Chunk(i, 0, len(p)) for i, p in enumerate(ps)])
+        h, _ = m(torch.tensor([t for p in ps for t in p]), b, cache)
+        last = torch.tensor([e - 1 for _, e in b.spans])
+        for step in range(4):
+            nxt = m.logits(m.final_norm(h[last])).argmax(-1)
+            b = cache.prepare([Chunk(i, len(p) + step, 1) for i, p in enumerate(ps)])
+            h, _ = m(nxt, b, cache)
+            last = torch.arange(len(ps))
+    return mode.reads
+
+
+def test_measured_cache_reads_stay_under_a_small_cap(default_model_dir):
+    """Real allocations, not the plan's arithmetic: every tensor materialised from the KV or
+    indexer cache during a sparse prefill + decode stays under a 24 KiB cap, while the same run
+    with the default 512 MiB cap materialises larger ones (so the cap is what keeps them small)."""
+    cap = 24 * 1024
+    small = _cache_reads_of_a_run(default_model_dir, cap)
+    big = _cache_reads_of_a_run(default_model_dir, DSAConfig().gather_cap_bytes)
+    for reads in (small, big):  # the mode saw gathers from both caches
+        assert {(op, kind) for op, kind, _ in reads} >= {
+            ("aten.index.Tensor", "kv"),
+            ("aten.index.Tensor", "index"),
+        }, reads[:5]
+    too_big = [r for r in small if r[2] > cap]
+    assert not too_big, too_big[:5]
+    assert max(n for *_, n in big) > 2 * cap, max(n for *_, n in big)  # negative control
+
+
 @pytest.mark.parametrize("context", [131072, 652288])
 @pytest.mark.parametrize("tp,batch,chunk", [(8, 64, 2048), (1, 256, 8192)])
 def test_no_gather_exceeds_the_cap_at_real_glm5_shapes(context, tp, batch, chunk):
-    cfg = ModelConfig()  # GLM-5: hidden 6144, 64 heads, kv_lora 512 + rope 64, indexer 32 x 128, top-2048
+    cfg = (
+        ModelConfig()
+    )  # GLM-5: hidden 6144, 64 heads, kv_lora 512 + rope 64, indexer 32 x 128, top-2048
     cap = DSAConfig(mode="sparse").gather_cap_bytes
     plan = gather_plan(cfg, context, chunk, DSAConfig(mode="sparse"), tp=tp, batch=batch)
     assert len(plan) >= 8
@@ -123,6 +211,8 @@ def test_no_nan_with_padding_blocks(default_model, sparse_models):
             b = cache.prepare([Chunk(i, 0, len(p)) for i, p in enumerate(ps)])
             h, _ = m(torch.tensor([t for p in ps for t in p]), b, cache)
             assert torch.isfinite(h).all()
-            b = cache.prepare([Chunk(i, len(p), 1) for i, p in enumerate(ps)])  # one padded decode group
+            b = cache.prepare(
+                [Chunk(i, len(p), 1) for i, p in enumerate(ps)]
+            )  # one padded decode group
             h, _ = m(torch.tensor([1, 2, 3, 4]), b, cache)
             assert torch.isfinite(h).all() and torch.isfinite(m.logits(m.final_norm(h))).all()

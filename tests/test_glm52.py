@@ -13,21 +13,35 @@ import re
 
 import pytest
 import torch
-
-from dist_glm5.model.config import ModelConfig
-from dist_glm5.checkpoint.default_model import random_weights
-from dist_glm5.model.reference_loop import full_logits
-from dist_glm5.model.kv_cache import Chunk
-from dist_glm5.checkpoint.loader import load_model
-from dist_glm5.quant.mxfp4 import decode, encode
-from dist_glm5.checkpoint.safetensors_io import Checkpoint, CheckpointError, save_streaming
+from conftest import require
 from hf_tiny import make_hf_model
+from mxfp4_ref import decode_independent
+
+from dist_glm5.checkpoint.default_model import random_weights
+from dist_glm5.checkpoint.loader import load_model
+from dist_glm5.checkpoint.safetensors_io import Checkpoint, CheckpointError, save_streaming
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.model.kv_cache import Chunk
+from dist_glm5.model.reference_loop import full_logits
+from dist_glm5.quant.mxfp4 import encode
 
 QUANTISED = re.compile(r"\.mlp\.(experts\.\d+|shared_experts)\.(gate|up|down)_proj\.weight$")
-QUARK_QCFG = {"quant_method": "quark", "version": "0.13", "export": {"weight_format": "real_quantized", "pack_method": "reorder"},
-              "global_quant_config": {"weight": {"dtype": "fp4", "group_size": 32, "scale_format": "e8m0", "qscheme": "per_group",
-                                                 "scale_calculation_mode": "even", "round_method": "half_even"}},
-              "exclude": ["*self_attn*", "*mlp.gate", "*lm_head"]}
+QUARK_QCFG = {
+    "quant_method": "quark",
+    "version": "0.13",
+    "export": {"weight_format": "real_quantized", "pack_method": "reorder"},
+    "global_quant_config": {
+        "weight": {
+            "dtype": "fp4",
+            "group_size": 32,
+            "scale_format": "e8m0",
+            "qscheme": "per_group",
+            "scale_calculation_mode": "even",
+            "round_method": "half_even",
+        }
+    },
+    "exclude": ["*self_attn*", "*mlp.gate", "*lm_head"],
+}
 
 
 def _add_mtp_bf16(d):
@@ -36,8 +50,11 @@ def _add_mtp_bf16(d):
     cfg["num_nextn_predict_layers"] = 1
     (d / "config.json").write_text(json.dumps(cfg))
     n = cfg["num_hidden_layers"]
-    mtp = {k: v.to(torch.bfloat16) for k, v in random_weights(ModelConfig.from_hf(replace_q(cfg)), 1).items()
-           if k.startswith(f"model.layers.{n}.")}
+    mtp = {
+        k: v.to(torch.bfloat16)
+        for k, v in random_weights(ModelConfig.from_hf(replace_q(cfg)), 1).items()
+        if k.startswith(f"model.layers.{n}.")
+    }
     save_streaming(d / "model-mtp.safetensors", mtp)
     (d / "model.safetensors.index.json").unlink(missing_ok=True)
 
@@ -47,7 +64,8 @@ def replace_q(cfg: dict) -> dict:
 
 
 def _quark_format_export(d):
-    """A Quark-format export made with our quark-rule encoder (byte-identical to amd-quark's, tested elsewhere)."""
+    """A Quark-format export made with our quark-rule encoder (byte-identical to amd-quark's,
+    tested elsewhere)."""
     model = make_hf_model("dense1_shared_topk16", seed=5).to(torch.bfloat16)
     model.save_pretrained(d)
     ck = Checkpoint(d)
@@ -55,7 +73,7 @@ def _quark_format_export(d):
     for n in ck.names():
         t = ck.get(n).clone()
         if QUANTISED.search(n):
-            out[n], out[n[:-len(".weight")] + ".weight_scale"] = encode(t, "quark")
+            out[n], out[n[: -len(".weight")] + ".weight_scale"] = encode(t, "quark")
         else:
             out[n] = t
     (d / "model.safetensors").unlink()
@@ -66,13 +84,15 @@ def _quark_format_export(d):
 
 
 def _real_quark_export(d):
-    pytest.importorskip("quark.torch", reason="amd-quark not installed (optional oracle extra)")
+    require("quark.torch")
     from quark.torch import LLMTemplate, ModelQuantizer, export_safetensors
     from quark.torch.utils.llm.model_preparation import preprocess_for_quantization
 
     model = make_hf_model("dense1_shared_topk16", seed=6).to(torch.bfloat16)
     preprocess_for_quantization(model)
-    model = ModelQuantizer(LLMTemplate.get("glm_moe_dsa").get_config(scheme="mxfp4_weight_only")).quantize_model(model, None)
+    model = ModelQuantizer(
+        LLMTemplate.get("glm_moe_dsa").get_config(scheme="mxfp4_weight_only")
+    ).quantize_model(model, None)
     export_safetensors(model, d)
 
 
@@ -102,11 +122,19 @@ def test_repacked_bytes_are_the_source_bytes(quark_dir, repacked):
         for t, projs in (("w13_weight", ("gate_proj", "up_proj")), ("w2_weight", ("down_proj",))):
             for kind, suffix in ((t, "weight"), (t + "_scale", "weight_scale")):
                 fused = out.get(f"{pre}.routed_experts.{kind}")
-                want = torch.stack([torch.cat([src.get(f"{pre}.{e}.{p}.{suffix}") for p in projs]) for e in range(E)])
+                want = torch.stack(
+                    [
+                        torch.cat([src.get(f"{pre}.{e}.{p}.{suffix}") for p in projs])
+                        for e in range(E)
+                    ]
+                )
                 assert torch.equal(fused, want), (layer, kind)
-    # shared experts become bf16, exactly the decoded MXFP4 values
+    # shared experts become bf16, exactly the decoded MXFP4 values (decoded through ml_dtypes)
     sh = "model.layers.1.mlp.shared_experts.up_proj"
-    assert torch.equal(out.get(f"{sh}.weight"), decode(src.get(f"{sh}.weight"), src.get(f"{sh}.weight_scale"), torch.bfloat16))
+    want = decode_independent(
+        src.get(f"{sh}.weight"), src.get(f"{sh}.weight_scale"), torch.bfloat16
+    )
+    assert torch.equal(out.get(f"{sh}.weight"), want)
     # the BF16 MTP experts are encoded with the OCP rule
     pre = f"model.layers.{n}.mlp.experts"
     g, s = encode(src.get(f"{pre}.3.gate_proj.weight"), "ocp")
@@ -118,7 +146,8 @@ def test_repacked_bytes_are_the_source_bytes(quark_dir, repacked):
 
 
 def _dequantised_float_copy(quark_dir, repacked, dst):
-    """The Quark checkpoint dequantised directly (every MXFP4 pair decoded), MTP experts as served."""
+    """The Quark checkpoint dequantised directly (every MXFP4 pair decoded by ml_dtypes, not by
+    dist_glm5.quant.mxfp4), MTP experts as served."""
     dst.mkdir()
     cfg = json.loads((quark_dir / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps(replace_q(cfg)))
@@ -128,21 +157,36 @@ def _dequantised_float_copy(quark_dir, repacked, dst):
         if n.endswith(".weight_scale"):
             continue
         w = src.get(n)
-        t[n] = decode(w, src.get(n[:-len(".weight")] + ".weight_scale"), torch.bfloat16) if w.dtype == torch.uint8 else w
-    # the MTP experts: what glm52 served (BF16 encoded with ocp), decoded, so both sides hold the same values
+        if w.dtype == torch.uint8:
+            scale = src.get(n[: -len(".weight")] + ".weight_scale")
+            w = decode_independent(w, scale, torch.bfloat16)
+        t[n] = w
+    # the MTP experts: what glm52 served (BF16 encoded with ocp), decoded, so both sides hold the
+    # same values
     pre = f"model.layers.{cfg['num_hidden_layers']}.mlp.experts"
     I = cfg["moe_intermediate_size"]
-    w13 = decode(out.get(f"{pre}.routed_experts.w13_weight"), out.get(f"{pre}.routed_experts.w13_weight_scale"), torch.bfloat16)
-    w2 = decode(out.get(f"{pre}.routed_experts.w2_weight"), out.get(f"{pre}.routed_experts.w2_weight_scale"), torch.bfloat16)
+    w13, w2 = (
+        decode_independent(
+            out.get(f"{pre}.routed_experts.{w}"),
+            out.get(f"{pre}.routed_experts.{w}_scale"),
+            torch.bfloat16,
+        )
+        for w in ("w13_weight", "w2_weight")
+    )
     for e in range(cfg["n_routed_experts"]):
-        t[f"{pre}.{e}.gate_proj.weight"], t[f"{pre}.{e}.up_proj.weight"] = w13[e, :I].clone(), w13[e, I:].clone()
+        t[f"{pre}.{e}.gate_proj.weight"], t[f"{pre}.{e}.up_proj.weight"] = (
+            w13[e, :I].clone(),
+            w13[e, I:].clone(),
+        )
         t[f"{pre}.{e}.down_proj.weight"] = w2[e].clone()
     save_streaming(dst / "model.safetensors", t)
     return dst
 
 
 def test_repacked_logits_equal_dequantised_quark(quark_dir, repacked, tmp_path):
-    ref = load_model(_dequantised_float_copy(quark_dir, repacked, tmp_path / "deq"), dtype=torch.float32)
+    ref = load_model(
+        _dequantised_float_copy(quark_dir, repacked, tmp_path / "deq"), dtype=torch.float32
+    )
     ours = load_model(repacked, dtype=torch.float32)
     ids = torch.randint(2, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     torch.testing.assert_close(full_logits(ours, ids), full_logits(ref, ids), rtol=0, atol=1e-5)
@@ -152,7 +196,9 @@ def test_repacked_logits_equal_dequantised_quark(quark_dir, repacked, tmp_path):
         with torch.no_grad():
             b = cache.prepare([Chunk(0, 0, 39)])
             h, _ = m(torch.tensor(ids[:39]), b, cache)
-            outs.append(m.mtp_logits(m.mtp_forward(torch.tensor(ids[1:]), m.final_norm(h), b, cache)))
+            outs.append(
+                m.mtp_logits(m.mtp_forward(torch.tensor(ids[1:]), m.final_norm(h), b, cache))
+            )
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-5)
 
 
@@ -165,9 +211,15 @@ def test_glm52_refuses_non_quark_and_broken_pairs(quark_dir, tmp_path):
     d.mkdir()
     (d / "config.json").write_text((quark_dir / "config.json").read_text())
     ck = Checkpoint(quark_dir)
-    t = {n: ck.get(n).clone() for n in ck.names() if n != "model.layers.2.mlp.experts.1.up_proj.weight_scale"}
+    t = {
+        n: ck.get(n).clone()
+        for n in ck.names()
+        if n != "model.layers.2.mlp.experts.1.up_proj.weight_scale"
+    }
     save_streaming(d / "model.safetensors", t)
-    with pytest.raises(CheckpointError, match=r"experts\.1\.up_proj\.weight is uint8 but has no \.weight_scale"):
+    with pytest.raises(
+        CheckpointError, match=r"experts\.1\.up_proj\.weight is uint8 but has no \.weight_scale"
+    ):
         convert_glm52(d, tmp_path / "o2")
 
 
