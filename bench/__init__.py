@@ -8,7 +8,7 @@ import argparse
 
 def register(p: argparse.ArgumentParser) -> None:
     from . import all as all_
-    from . import encoder, generate_vs_hf, longctx, pipeline, roofline, serve
+    from . import encoder, generate_vs_hf, kernels, longctx, pipeline, roofline, serve
 
     sub = p.add_subparsers(dest="bench_command", required=True)
     all_.register(
@@ -20,6 +20,9 @@ def register(p: argparse.ArgumentParser) -> None:
         sub.add_parser(
             "encoder", help="MXFP4 encoder throughput and peak RSS vs amd-quark and torchao"
         )
+    )
+    kernels.register(
+        sub.add_parser("kernels", help="MXFP4 MoE kernel vs dequant+GEMM and read bandwidth")
     )
     longctx.register(
         sub.add_parser(

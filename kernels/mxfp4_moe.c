@@ -1,0 +1,535 @@
+/* Routed MoE experts straight from the packed MXFP4 serving layout (CPU).
+ *
+ * Layout (one MoE layer, stacked over this rank's E local experts):
+ *   w13 [E, 2I, H/2] uint8  E2M1 codes, two per byte, LOW nibble = even input column;
+ *                           each expert's rows are [gate (I rows); up (I rows)].
+ *   s13 [E, 2I, H/32] uint8 E8M0 scales, 2^(byte-127), one per 32 consecutive inputs.
+ *   w2  [E, H, I/2], s2 [E, H, I/32]: the down projection, same encoding.
+ * out[t] = sum over routes (t, j) whose expert is local of
+ *          weight[t, j] * down(silu(gate(x_t)) * up(x_t)), accumulated in fp32.
+ *
+ * Why it is shaped like this:
+ * - Decode is memory bound: each touched expert's packed rows are read ONCE for all the tokens
+ *   routed to it (tokens are grouped by expert first), and a row is unpacked in registers, never
+ *   written out. Bytes read ~ packed bytes of the touched experts. Rows are short (3 KiB), so
+ *   the next rows are prefetched in software (prefetch_ahead).
+ * - Unpacking (AVX2): an 8-entry table of E2M1 magnitudes times the block's scale (precomputed
+ *   for each of the 256 scale bytes) is indexed with vpermps by each nibble; the sign (bit 3) is
+ *   xor-ed into bit 31. The low nibbles of 8 bytes give the 8 even columns, the high nibbles
+ *   the 8 odd ones, so the activations are permuted once per call to match ("xp" order: in each
+ *   group of 16 inputs, the 8 even ones then the 8 odd ones) instead of interleaving every
+ *   decoded weight.
+ *   AVX-512F (when the CPU has it) does the same with a 16-entry signed table per zmm.
+ * - Decoded weights are exact (an E2M1 value has 2 significant bits; a power-of-two scale is
+ *   exact, scale byte 0 = 2^-127 gives exact subnormals, byte 255 is NaN), so results differ
+ *   from "decode to fp32 then GEMM" only by the order of the fp32 additions.
+ * - Several rows x several tokens per kernel call (register blocking); with more than 2 tokens
+ *   the inputs go by column chunks that keep x in L1.
+ * - Threads (OpenMP, same libgomp soname as torch's, so the loader reuses torch's copy and one
+ *   runtime serves both): work items of 64 rows taken dynamically, two barriers per call.
+ * - The fast functions carry target attributes and are picked at run time (__builtin_cpu_
+ *   supports); a portable scalar path computes the same thing; no -march flag is needed.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define MX_X86 1
+#endif
+
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { MAX_GROUP = 8 }; /* tokens whose accumulators stay in registers while a row streams by */
+
+/* Tokens per group: AVX-512 does 4 rows x 4 tokens (16 accumulators, each x load feeds 4 FMAs)
+ * faster than 2 rows x 8 tokens, which loads x twice as often. */
+static const int GROUP[3] = {MAX_GROUP, MAX_GROUP, 4};
+static float SCALE[256]; /* E8M0 byte -> 2^(byte-127); 0 -> 2^-127 (subnormal); 255 -> NaN */
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+static int g_isa = -1;
+
+/* Per scale byte, the unpacking tables with the scale already applied (a load per block instead
+ * of a multiply and an xor; 8 + 16 KiB, of which the few bytes real scales use stay in L1):
+ * LUT16[b][i] = E2M1[i] * SCALE[b] (AVX-512: codes with their sign), and LUT8[b][i] =
+ * |E2M1[i]| * SCALE[b] with (i << 28) xor-ed into its bits (AVX2: see nib_values). */
+static float LUT16[256][16] __attribute__((aligned(64)));
+static float LUT8[256][8] __attribute__((aligned(32)));
+
+static void init_tables(void) {
+    for (int b = 0; b < 256; b++) {
+        uint32_t bits = b == 0 ? 0x00400000u : b == 255 ? 0x7FC00000u : (uint32_t)b << 23;
+        memcpy(&SCALE[b], &bits, 4);
+        for (int i = 0; i < 16; i++) LUT16[b][i] = E2M1[i] * SCALE[b];
+        for (int i = 0; i < 8; i++) {
+            const float v = E2M1[i] * SCALE[b];
+            uint32_t u;
+            memcpy(&u, &v, 4);
+            u ^= (uint32_t)i << 28;
+            memcpy(&LUT8[b][i], &u, 4);
+        }
+    }
+}
+
+static int best_isa(void) {
+#ifdef MX_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
+#endif
+    return ISA_SCALAR;
+}
+
+/* Select the code path: -1 = best the CPU supports; a request above that is lowered.
+ * Returns the path in use (0 scalar, 1 AVX2+FMA, 2 AVX-512F). Not thread safe: call before use. */
+int mx_set_isa(int isa) {
+    int best = best_isa();
+    if (SCALE[1] == 0.0f) init_tables();
+    g_isa = (isa < 0 || isa > best) ? best : isa;
+    return g_isa;
+}
+
+/* ---------------------------------------------------------------- row kernels
+ * A row kernel computes res[r * MAX_GROUP + t] = row_r . xs[t] over K inputs for NR packed rows
+ * ld inputs apart (ld >= K: a column chunk of longer rows) and NT tokens (xs in xp order).
+ * Several rows at once amortise the per-row tail (reductions, stores, the call) and let one
+ * load of x feed NR FMAs; NA accumulators per (row, token) keep enough independent FMA chains
+ * in flight when NR * NT is small. */
+typedef void (*rows_fn)(const uint8_t *, const uint8_t *, int, int, const float *const *,
+                        float *);
+
+static void rows_dot_scalar(const uint8_t *w, const uint8_t *s, int K, const float *const *xs,
+                            float *res, int nt) {
+    for (int t = 0; t < nt; t++) res[t] = 0.0f;
+    for (int b = 0; b < K / 32; b++) {
+        const float sc = SCALE[s[b]];
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *p = w + 16 * b + 8 * h;
+            const int base = 32 * b + 16 * h;
+            for (int t = 0; t < nt; t++) {
+                const float *x = xs[t] + base;
+                float a = 0.0f;
+                for (int i = 0; i < 8; i++)
+                    a += E2M1[p[i] & 15] * sc * x[i] + E2M1[p[i] >> 4] * sc * x[8 + i];
+                res[t] += a;
+            }
+        }
+    }
+}
+
+#ifdef MX_X86
+#define INLINE static inline __attribute__((always_inline))
+#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+/* Software prefetch, PF_BYTES ahead (at least one group of rows ahead). Rows are short (3 KiB
+ * for GLM-5's w13, 256 B for the small model's w2), too short for the hardware streamer to ramp
+ * up on each: without this one AVX-512 thread read 5.1 GB/s of GLM-5 experts, with it 9.3
+ * (torch.sum: 13.6). When the NR rows are contiguous (ld == K) the group's bytes are one stream
+ * and the prefetch runs ahead in it, one line per block; for a column chunk (ld > K) the next
+ * group's rows get a line each per block, in turn. */
+enum { PF_BYTES = 8192 }; /* 2, 8, 16 and 32 KiB measured alike */
+INLINE void prefetch_ahead(const uint8_t *w, const uint8_t *s, int K, int ld, int NR, int b) {
+    if (K == ld) {
+        const size_t span = (size_t)NR * (K / 2), d = span > PF_BYTES ? span : PF_BYTES;
+        _mm_prefetch((const char *)(w + d + (size_t)NR * 16 * b), _MM_HINT_T0);
+        _mm_prefetch((const char *)(s + d / 16 + (size_t)NR * b), _MM_HINT_T0);
+    } else {
+        const size_t r = NR + b % NR, line = 64 * (b / NR);
+        _mm_prefetch((const char *)(w + r * (ld / 2) + line), _MM_HINT_T0);
+        _mm_prefetch((const char *)(s + r * (ld / 32) + line), _MM_HINT_T0);
+    }
+}
+
+/* ----- AVX2 + FMA: an 8-entry table of magnitudes per block, indexed with vpermps. */
+
+INLINE AVX2 float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The 8 values of one nibble per byte of c (bytes zero-extended to 32-bit lanes). `lut` holds
+ * scale * |E2M1[i]| with (i << 28) xor-ed in; xor-ing (nibble << 28) back removes that and
+ * leaves the nibble's bit 3 on the sign bit: a lookup and a sign in two cheap ops. */
+INLINE AVX2 __m256 nib_values(__m256 lut, __m256i nib) {
+    return _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, nib),
+                         _mm256_castsi256_ps(_mm256_slli_epi32(nib, 28)));
+}
+
+INLINE AVX2 __m256 block_lut(const uint8_t *s, int b) { return _mm256_load_ps(LUT8[s[b]]); }
+
+/* xp order with groups of 16: each half block (8 bytes) gives 8 even then 8 odd inputs. */
+INLINE AVX2 void rows_dot_avx2(const uint8_t *w, const uint8_t *s, int K, int ld, const int NR,
+                               const int NT, const int NA, const float *const *xs, float *res) {
+    const size_t wb = ld / 2, sb = ld / 32;
+    __m256 acc[16];
+#pragma GCC unroll 16
+    for (int a = 0; a < NR * NT * NA; a++) acc[a] = _mm256_setzero_ps();
+    for (int b = 0; b < K / 32; b++) {
+        prefetch_ahead(w, s, K, ld, NR, b);
+        __m256 lut[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) lut[r] = block_lut(s + r * sb, b);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m256 lo[4], hi[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) {
+                __m256i c = _mm256_cvtepu8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(w + r * wb + 16 * b + 8 * h)));
+                lo[r] = nib_values(lut[r], c);
+                hi[r] = nib_values(lut[r], _mm256_srli_epi32(c, 4));
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < NT; t++) {
+                const __m256 xl = _mm256_loadu_ps(xs[t] + 32 * b + 16 * h);
+                const __m256 xh = _mm256_loadu_ps(xs[t] + 32 * b + 16 * h + 8);
+#pragma GCC unroll 4
+                for (int r = 0; r < NR; r++) {
+                    __m256 *a = acc + (r * NT + t) * NA;
+                    a[(2 * h) % NA] = _mm256_fmadd_ps(lo[r], xl, a[(2 * h) % NA]);
+                    a[(2 * h + 1) % NA] = _mm256_fmadd_ps(hi[r], xh, a[(2 * h + 1) % NA]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            __m256 *a = acc + (r * NT + t) * NA;
+            __m256 v = a[0];
+#pragma GCC unroll 4
+            for (int i = 1; i < NA; i++) v = _mm256_add_ps(v, a[i]);
+            res[r * MAX_GROUP + t] = hsum256(v);
+        }
+}
+
+/* ----- AVX-512F: vpermps on a zmm indexes 16 entries, so one table holds the signed codes: per
+ * 32 inputs one widening, two permutes and a shift (half the AVX2 work) and FMAs twice as wide.
+ * xp order with groups of 32: the block's 16 even inputs, then its 16 odd ones. */
+
+INLINE AVX512 __m512 block_lut512(const uint8_t *s, int b) {
+    return _mm512_load_ps(LUT16[s[b]]);
+}
+
+INLINE AVX512 void rows_dot_avx512(const uint8_t *w, const uint8_t *s, int K, int ld, const int NR,
+                                   const int NT, const int NA, const float *const *xs,
+                                   float *res) {
+    const size_t wb = ld / 2, sb = ld / 32;
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int a = 0; a < NR * NT * NA; a++) acc[a] = _mm512_setzero_ps();
+    for (int b = 0; b < K / 32; b++) {
+        prefetch_ahead(w, s, K, ld, NR, b);
+        __m512 lo[4], hi[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const __m512 lut = block_lut512(s + r * sb, b);
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(w + r * wb + 16 * b));
+            const __m512i c = _mm512_cvtepu8_epi32(bytes);
+            lo[r] = _mm512_permutexvar_ps(c, lut); /* uses bits 3:0: the low nibble */
+            hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), lut);
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            const __m512 xl = _mm512_loadu_ps(xs[t] + 32 * b);
+            const __m512 xh = _mm512_loadu_ps(xs[t] + 32 * b + 16);
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) {
+                __m512 *a = acc + (r * NT + t) * NA;
+                a[0] = _mm512_fmadd_ps(lo[r], xl, a[0]);
+                a[NA - 1] = _mm512_fmadd_ps(hi[r], xh, a[NA - 1]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            __m512 *a = acc + (r * NT + t) * NA;
+            const __m512 v = NA > 1 ? _mm512_add_ps(a[0], a[1]) : a[0];
+            res[r * MAX_GROUP + t] = _mm512_reduce_add_ps(v);
+        }
+}
+
+#define ROWS(ISA, NR, NT, NA)                                                                \
+    static ISA##_T void rows_##ISA##_##NR##_##NT(const uint8_t *w, const uint8_t *s, int K,    \
+                                                 int ld, const float *const *xs, float *res) { \
+        rows_dot_##ISA(w, s, K, ld, NR, NT, NA, xs, res);                                      \
+    }
+#define avx2_T AVX2
+#define avx512_T AVX512
+/* Register budget: AVX2 has 16 ymm, AVX-512 32 zmm; NR * NT * NA <= 16 accumulators. */
+ROWS(avx2, 1, 1, 4) ROWS(avx2, 2, 1, 2) ROWS(avx2, 1, 2, 2) ROWS(avx2, 2, 2, 1)
+ROWS(avx2, 1, 3, 2) ROWS(avx2, 1, 4, 2) ROWS(avx2, 1, 5, 1) ROWS(avx2, 1, 6, 1)
+ROWS(avx2, 1, 7, 1) ROWS(avx2, 1, 8, 1)
+ROWS(avx512, 1, 1, 2) ROWS(avx512, 4, 1, 2) ROWS(avx512, 1, 2, 2) ROWS(avx512, 4, 2, 2)
+ROWS(avx512, 1, 3, 1) ROWS(avx512, 4, 3, 1) ROWS(avx512, 1, 4, 1) ROWS(avx512, 4, 4, 1)
+ROWS(avx512, 1, 5, 1) ROWS(avx512, 2, 5, 1) ROWS(avx512, 1, 6, 1) ROWS(avx512, 2, 6, 1)
+ROWS(avx512, 1, 7, 1) ROWS(avx512, 2, 7, 1) ROWS(avx512, 1, 8, 1) ROWS(avx512, 2, 8, 1)
+
+/* [isa][nt] -> the multi-row kernel and its row count; ONE_ROW for the remainder rows. */
+static const rows_fn MULTI[3][MAX_GROUP + 1] = {
+    {0},
+    {0, rows_avx2_2_1, rows_avx2_2_2, rows_avx2_1_3, rows_avx2_1_4, rows_avx2_1_5, rows_avx2_1_6,
+     rows_avx2_1_7, rows_avx2_1_8},
+    {0, rows_avx512_4_1, rows_avx512_4_2, rows_avx512_4_3, rows_avx512_4_4, rows_avx512_2_5,
+     rows_avx512_2_6, rows_avx512_2_7, rows_avx512_2_8}};
+static const int MULTI_NR[3][MAX_GROUP + 1] = {
+    {0}, {0, 2, 2, 1, 1, 1, 1, 1, 1}, {0, 4, 4, 4, 4, 2, 2, 2, 2}};
+static const rows_fn ONE_ROW[3][MAX_GROUP + 1] = {
+    {0},
+    {0, rows_avx2_1_1, rows_avx2_1_2, rows_avx2_1_3, rows_avx2_1_4, rows_avx2_1_5, rows_avx2_1_6,
+     rows_avx2_1_7, rows_avx2_1_8},
+    {0, rows_avx512_1_1, rows_avx512_1_2, rows_avx512_1_3, rows_avx512_1_4, rows_avx512_1_5,
+     rows_avx512_1_6, rows_avx512_1_7, rows_avx512_1_8}};
+
+/* One packed row -> K fp32 values in natural column order. */
+static AVX2 void decode_row_avx2(const uint8_t *w, const uint8_t *s, int K, float *out) {
+    for (int b = 0; b < K / 32; b++) {
+        const __m256 lut = block_lut(s, b);
+        for (int h = 0; h < 2; h++) {
+            const __m128i bytes = _mm_loadl_epi64((const __m128i *)(w + 16 * b + 8 * h));
+            const __m256i c = _mm256_cvtepu8_epi32(bytes);
+            __m256 lo = nib_values(lut, c);                           /* columns 0, 2, .., 14 */
+            __m256 hi = nib_values(lut, _mm256_srli_epi32(c, 4));     /* columns 1, 3, .., 15 */
+            __m256 a = _mm256_unpacklo_ps(lo, hi);                    /* 0 1 2 3 | 8 9 10 11 */
+            __m256 d = _mm256_unpackhi_ps(lo, hi);                    /* 4 5 6 7 | 12 .. 15 */
+            float *o = out + 32 * b + 16 * h;
+            _mm256_storeu_ps(o, _mm256_permute2f128_ps(a, d, 0x20));
+            _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(a, d, 0x31));
+        }
+    }
+}
+
+static AVX512 void decode_row_avx512(const uint8_t *w, const uint8_t *s, int K, float *out) {
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    for (int b = 0; b < K / 32; b++) {
+        const __m512 lut = block_lut512(s, b);
+        __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 16 * b)));
+        __m512 lo = _mm512_permutexvar_ps(c, lut);
+        __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), lut);
+        _mm512_storeu_ps(out + 32 * b, _mm512_permutex2var_ps(lo, first, hi));
+        _mm512_storeu_ps(out + 32 * b + 16, _mm512_permutex2var_ps(lo, second, hi));
+    }
+}
+#endif /* MX_X86 */
+
+static void decode_row_scalar(const uint8_t *w, const uint8_t *s, int K, float *out) {
+    for (int i = 0; i < K / 2; i++) {
+        const float sc = SCALE[s[i / 16]];
+        out[2 * i] = E2M1[w[i] & 15] * sc;
+        out[2 * i + 1] = E2M1[w[i] >> 4] * sc;
+    }
+}
+
+/* ---------------------------------------------------------------- row loops */
+
+/* For rows r in [r0, r1) of a packed matrix with K inputs and n tokens (xs, xp order):
+ * alpha == NULL: dst[t][r] = row_r . xs[t];  else dst[t][r] += alpha[t] * (row_r . xs[t]).
+ * With more than 2 tokens the inputs go by column chunks sized so that one group's chunk of x
+ * stays in L1 (otherwise every FMA waits on L2), and within a chunk group by group: the rows'
+ * chunk is read from memory by the first group and from L2 by the next ones. */
+static void rows_dot(const uint8_t *w, const uint8_t *s, int K, int r0, int r1, int n,
+                     const float *const *xs, float *const *dst, const float *alpha) {
+    enum { L1_FLOATS = 6144 }; /* 24 KiB of x per token group: half of a 48 KiB L1 */
+    float res[4 * MAX_GROUP];
+    const float *xo[MAX_GROUP];
+    const int isa = g_isa, group = GROUP[isa], widest = n < group ? n : group;
+    int kc_len = K;
+    if (widest > 2) {
+        kc_len = (L1_FLOATS / widest) & ~63;
+        if (kc_len > K) kc_len = K;
+    }
+    for (int kc = 0; kc < K; kc += kc_len) {
+        const int kl = K - kc < kc_len ? K - kc : kc_len;
+        for (int g = 0; g < n; g += group) {
+            const int nt = n - g < group ? n - g : group;
+            for (int t = 0; t < nt; t++) xo[t] = xs[g + t] + kc;
+            for (int r = r0; r < r1;) {
+                const uint8_t *wr = w + (size_t)r * (K / 2) + kc / 2;
+                const uint8_t *sr = s + (size_t)r * (K / 32) + kc / 32;
+                int nr = 1;
+#ifdef MX_X86
+                if (isa != ISA_SCALAR) {
+                    nr = MULTI_NR[isa][nt] <= r1 - r ? MULTI_NR[isa][nt] : 1;
+                    (nr > 1 ? MULTI : ONE_ROW)[isa][nt](wr, sr, kl, K, xo, res);
+                } else
+#endif
+                    rows_dot_scalar(wr, sr, kl, xo, res, nt);
+                for (int i = 0; i < nr; i++)
+                    for (int t = 0; t < nt; t++) {
+                        const float v = res[i * MAX_GROUP + t];
+                        if (alpha)
+                            dst[g + t][r + i] += alpha[g + t] * v;
+                        else if (kc == 0)
+                            dst[g + t][r + i] = v;
+                        else
+                            dst[g + t][r + i] += v;
+                    }
+                r += nr;
+            }
+        }
+    }
+}
+
+/* Natural column c -> its position in xp order: in each group of G = 16 (scalar, AVX2) or
+ * G = 32 (AVX-512) inputs, the even ones first, then the odd ones. */
+static inline int xp_group(void) { return g_isa == ISA_AVX512 ? 32 : 16; }
+static inline int xp_pos(int c, int G) {
+    return (c & ~(G - 1)) | ((c & 1) ? G / 2 : 0) | ((c & (G - 1)) >> 1);
+}
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ---------------------------------------------------------------- entry points */
+
+/* Decode rows x K of a packed matrix to fp32 (natural order), split over nthreads. */
+void mx_decode(const uint8_t *w, const uint8_t *s, int64_t rows, int K, float *out, int nthreads) {
+    if (g_isa < 0) mx_set_isa(-1);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+#ifdef MX_X86
+        if (g_isa == ISA_AVX512) {
+            decode_row_avx512(w + r * (K / 2), s + r * (K / 32), K, out + r * K);
+            continue;
+        }
+        if (g_isa == ISA_AVX2) {
+            decode_row_avx2(w + r * (K / 2), s + r * (K / 32), K, out + r * K);
+            continue;
+        }
+#endif
+        decode_row_scalar(w + r * (K / 2), s + r * (K / 32), K, out + r * K);
+    }
+}
+
+/* The routed-experts forward over this rank's experts [emin, emin + E).
+ *   x [T, H] fp32 (x_bf16 = 0) or bf16 bits (x_bf16 = 1); ids [T, k] int32 global expert ids;
+ *   tw [T, k] fp32 router weights; out [T, H] fp32, fully written.
+ *   Experts with >= skip_min routes are left out (the caller runs them as a GEMM); counts [E]
+ *   (may be NULL) receives every local expert's number of routes. Returns 0, or -1 if memory
+ *   ran out. */
+int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const int32_t *ids,
+                   const float *tw, int emin, int E, const uint8_t *w13, const uint8_t *s13,
+                   const uint8_t *w2, const uint8_t *s2, float *out, int nthreads, int skip_min,
+                   int32_t *counts) {
+    if (g_isa < 0) mx_set_isa(-1);
+    const int G = xp_group(), nroutes = T * k;
+    int32_t *own_counts = counts ? NULL : malloc(sizeof(int32_t) * (E + 1));
+    if (!counts) counts = own_counts;
+    if (!counts) return -1;
+    memset(counts, 0, sizeof(int32_t) * E);
+    for (int r = 0; r < nroutes; r++) {
+        const int e = ids[r] - emin;
+        if (e >= 0 && e < E) counts[e]++;
+    }
+    /* Group the routes by expert (counting sort, tokens ascending within an expert). */
+    int *start = malloc(sizeof(int) * (E + 1));
+    int *fill = malloc(sizeof(int) * E);
+    int *route_tok = malloc(sizeof(int) * (nroutes + 1));
+    float *route_w = malloc(sizeof(float) * (nroutes + 1));
+    int *touched = malloc(sizeof(int) * (E + 1));
+    if (!start || !fill || !route_tok || !route_w || !touched) goto oom;
+    int ntouched = 0;
+    start[0] = 0;
+    for (int e = 0; e < E; e++) {
+        const int take = counts[e] > 0 && counts[e] < skip_min;
+        if (take) touched[ntouched++] = e;
+        start[e + 1] = start[e] + (take ? counts[e] : 0);
+        fill[e] = start[e];
+    }
+    const int R = start[E];
+    for (int r = 0; r < nroutes; r++) {
+        const int e = ids[r] - emin;
+        if (e >= 0 && e < E && counts[e] < skip_min) {
+            route_tok[fill[e]] = r / k;
+            route_w[fill[e]++] = tw[r];
+        }
+    }
+    float *xp = malloc(sizeof(float) * ((size_t)T * H + 1));
+    float *h = malloc(sizeof(float) * ((size_t)R * 2 * I + 1));
+    float *act = malloc(sizeof(float) * ((size_t)R * I + 1));
+    const float **xs = malloc(sizeof(float *) * (R + 1));
+    const float **as = malloc(sizeof(float *) * (R + 1));
+    float **hd = malloc(sizeof(float *) * (R + 1));
+    float **od = malloc(sizeof(float *) * (R + 1));
+    if (!xp || !h || !act || !xs || !as || !hd || !od) {
+        free(xp); free(h); free(act); free(xs); free(as); free(hd); free(od);
+        goto oom;
+    }
+    for (int j = 0; j < R; j++) {
+        xs[j] = xp + (size_t)route_tok[j] * H;
+        as[j] = act + (size_t)j * I;
+        hd[j] = h + (size_t)j * 2 * I;
+        od[j] = out + (size_t)route_tok[j] * H;
+    }
+
+    /* Work items of CHUNK rows, taken dynamically: a thread that the OS parks (2 cores shared
+     * with other processes) delays one item, not a fixed half of the work; each item is still
+     * CHUNK contiguous rows (GLM-5: 384 KiB of gate rows and as much of up rows). 128 measured
+     * a little faster than 64 and 32 (fewer stream starts), as fast as 256. */
+    enum { CHUNK = 128 };
+    const int ci = (I + CHUNK - 1) / CHUNK, ch = (H + CHUNK - 1) / CHUNK;
+#pragma omp parallel num_threads(nthreads)
+    {
+        /* Activations to fp32 in xp order; the output starts at zero. */
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            float *dst = xp + (size_t)t * H;
+            for (int c = 0; c < H; c++)
+                dst[xp_pos(c, G)] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[(size_t)t * H + c])
+                                        : ((const float *)x)[(size_t)t * H + c];
+            memset(out + (size_t)t * H, 0, sizeof(float) * H);
+        }
+        /* implicit barrier: xp is complete */
+
+        /* item (expert q, chunk c): gate and up rows [i0, i1) of expert q, then act = silu(gate)
+         * * up for them; no other item writes those h or act entries. */
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < ntouched * ci; item++) {
+            const int e = touched[item / ci], j0 = start[e], n = start[e + 1] - j0;
+            const int i0 = (item % ci) * CHUNK, i1 = i0 + CHUNK < I ? i0 + CHUNK : I;
+            const uint8_t *we = w13 + (size_t)e * 2 * I * (H / 2);
+            const uint8_t *se = s13 + (size_t)e * 2 * I * (H / 32);
+            rows_dot(we, se, H, i0, i1, n, xs + j0, hd + j0, NULL);
+            rows_dot(we, se, H, I + i0, I + i1, n, xs + j0, hd + j0, NULL);
+            for (int j = j0; j < j0 + n; j++)
+                for (int i = i0; i < i1; i++) {
+                    const float g = hd[j][i], u = hd[j][I + i];
+                    act[(size_t)j * I + xp_pos(i, G)] = g / (1.0f + expf(-g)) * u;
+                }
+        }
+        /* implicit barrier: act is complete */
+
+        /* item c: output columns [r0, r1) of every touched expert, so that no two threads add
+         * into the same output element */
+#pragma omp for schedule(dynamic, 1)
+        for (int c = 0; c < ch; c++) {
+            const int r0 = c * CHUNK, r1 = r0 + CHUNK < H ? r0 + CHUNK : H;
+            for (int q = 0; q < ntouched; q++) {
+                const int e = touched[q], j0 = start[e], n = start[e + 1] - j0;
+                rows_dot(w2 + (size_t)e * H * (I / 2), s2 + (size_t)e * H * (I / 32), I, r0, r1,
+                         n, as + j0, od + j0, route_w + j0);
+            }
+        }
+    }
+    free(xp); free(h); free(act); free(xs); free(as); free(hd); free(od);
+    free(start); free(fill); free(route_tok); free(route_w); free(touched); free(own_counts);
+    return 0;
+oom:
+    free(start); free(fill); free(route_tok); free(route_w); free(touched); free(own_counts);
+    return -1;
+}

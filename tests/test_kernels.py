@@ -1,0 +1,260 @@
+"""The MXFP4 MoE CPU kernel (kernels/mxfp4_moe.c) against an independent fp64 oracle.
+
+The oracle decodes with its own 16-entry E2M1 table and 2^(byte-127) scales (byte 255 = NaN) and
+runs the experts loop in float64, so it checks the kernel, the torch reference and the GEMM path
+alike. The kernel must build here: gcc is on every developer machine and in CI, so a build
+failure FAILS these tests instead of skipping them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_glm5.kernels import build
+from dist_glm5.kernels import mxfp4_moe as K
+
+torch.set_num_threads(1)
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float64)
+ISAS = ("scalar", "avx2", "avx512")
+
+
+def oracle_decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[..., K/2], [..., K/32] uint8 -> float64 [..., K]; low nibble = even column."""
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2).long()
+    scale = torch.pow(2.0, scales.double() - 127).masked_fill(scales == 255, float("nan"))
+    return E2M1[codes] * scale.repeat_interleave(32, dim=-1)
+
+
+def oracle_moe(x, ids, tw, w13, s13, w2, s2, emin, emax) -> torch.Tensor:
+    xd, out = x.double(), torch.zeros(x.shape, dtype=torch.float64)
+    for e in range(emax - emin + 1):
+        tok, slot = torch.where(ids.long() == emin + e)
+        if len(tok):
+            gate, up = F.linear(xd[tok], oracle_decode(w13[e], s13[e])).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, oracle_decode(w2[e], s2[e]))
+            out.index_add_(0, tok, y * tw[tok, slot, None].double())
+    return out
+
+
+def make_experts(E, H, I, seed=0, lo=120, hi=131, edge=True):
+    """Random codes; scale bytes in [lo, hi), plus the edge bytes 0, 1 and 127 in some blocks
+    (they stay small next to the others, so nothing overflows)."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, generator=g)
+    w2 = torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, generator=g)
+    s13 = torch.randint(lo, hi, (E, 2 * I, H // 32), dtype=torch.uint8, generator=g)
+    s2 = torch.randint(lo, hi, (E, H, I // 32), dtype=torch.uint8, generator=g)
+    if edge:
+        for s in (s13, s2):
+            flat = s.view(-1)
+            where = torch.randint(0, flat.numel(), (max(3, flat.numel() // 20),), generator=g)
+            edge_bytes = torch.tensor([0, 1, 127], dtype=torch.uint8).repeat(len(where))
+            flat[where] = edge_bytes[:len(where)]
+    return w13, s13, w2, s2
+
+
+def routes(T, k, lo, hi, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(lo, hi + 1, (T, k), dtype=torch.int32, generator=g)
+    return ids, torch.rand(T, k, generator=g)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5):
+    got, want = got.double(), want.double()
+    scale = want.abs().max().item()
+    assert scale > 0 and torch.isfinite(got).all()
+    err = (got - want).abs().max().item()
+    assert err <= rel * scale + 1e-30, f"max|diff| {err:.3g} > {rel} * max|ref| {scale:.3g}"
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    assert K.available(), "the MXFP4 MoE kernel did not build (see the warning logged above)"
+    yield K
+    K.set_isa(None)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, kernel):
+    if kernel.set_isa(request.param) != request.param:
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    kernel.set_isa(None)
+
+
+@pytest.mark.parametrize("H,I", [(64, 32), (256, 128), (160, 96)])
+@pytest.mark.parametrize("T", [1, 3, 17, 64, 130])
+def test_matches_oracle_and_reference(isa, H, I, T):
+    E, k, emin = 6, 4, 10
+    w = make_experts(E, H, I, seed=H + T)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+    ids, tw = routes(T, k, emin - 2, emin + E + 1, seed=T)  # some routes go to other ranks
+    want = oracle_moe(x, ids, tw, *w, emin, emin + E - 1)
+    fused = K.moe_mxfp4(x, ids, tw, *w, emin, emin + E - 1, gemm_min_routes=1 << 30)
+    assert fused.dtype == torch.float32 and fused.shape == (T, H)
+    assert_close(fused, want)
+    assert_close(K.moe_mxfp4(x, ids, tw, *w, emin, emin + E - 1, gemm_min_routes=2), want)
+    assert_close(K.moe_mxfp4(x, ids, tw, *w, emin, emin + E - 1), want)  # default threshold
+    if T in (3, 130):
+        assert_close(K.moe_mxfp4_reference(x, ids, tw, *w, emin, emin + E - 1), want)
+
+
+def test_long_rows_go_by_column_chunks(isa):
+    """With more than 2 tokens per expert the kernel splits rows into column chunks that keep x
+    in L1 (768 inputs for AVX2's groups of 8, 1536 for AVX-512's groups of 4): H = 2048 and
+    I = 800 give chunks with a short tail."""
+    E, H, I, T = 2, 2048, 800, 19
+    w = make_experts(E, H, I, seed=19)
+    x = torch.randn(T, H)
+    ids, tw = routes(T, 2, 0, E - 1, seed=19)
+    got = K.moe_mxfp4(x, ids, tw, *w, 0, E - 1, gemm_min_routes=1 << 30)
+    assert_close(got, oracle_moe(x, ids, tw, *w, 0, E - 1))
+
+
+@pytest.mark.parametrize("byte", [0, 1, 127, 254])
+def test_edge_scale_bytes(isa, byte):
+    """up rows scaled by 2^(byte-127) (0: subnormal 2^-127), down rows by 2^(127-byte), so the
+    output is O(1) and every intermediate stays finite; x is small where 2^127 could overflow.
+    Under scale 2^127 only magnitudes <= 1.5 are finite in fp32 (2 * 2^127 is inf), so those
+    rows keep codes 0..3 and their signs (mask 0xBB per byte)."""
+    E, H, I, T = 2, 96, 64, 5
+    w13, s13, w2, s2 = make_experts(E, H, I, seed=byte, edge=False)
+    s13[:, :I] = 127
+    s13[:, I:] = byte
+    s2[:] = 254 - byte
+    (w13[:, I:] if byte == 254 else w2).bitwise_and_(0xBB)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(1))
+    if byte == 254:
+        x *= 2.0**-12
+    ids, tw = routes(T, 2, 0, E - 1)
+    want = oracle_moe(x, ids, tw, w13, s13, w2, s2, 0, E - 1)
+    for thr in (1 << 30, 1):
+        assert_close(K.moe_mxfp4(x, ids, tw, w13, s13, w2, s2, 0, E - 1, gemm_min_routes=thr),
+                     want)
+
+
+def test_nan_scale_byte_gives_nan_like_the_reference(isa):
+    E, H, I, T = 3, 64, 32, 6
+    w = make_experts(E, H, I, edge=False)
+    w[1][1, 0, 0] = 255  # expert 1, first gate row, first block: NaN
+    x = torch.randn(T, H)
+    ids = torch.tensor([[0, 1], [0, 2], [1, 2], [2, 0], [1, 1], [2, 2]], dtype=torch.int32)
+    tw = torch.rand(T, 2)
+    want = K.moe_mxfp4_reference(x, ids, tw, *w, 0, E - 1)
+    got = K.moe_mxfp4(x, ids, tw, *w, 0, E - 1)
+    nan_rows = (ids == 1).any(dim=1)
+    assert torch.isnan(want[nan_rows]).all() and torch.isnan(got[nan_rows]).all()
+    assert_close(got[~nan_rows], want[~nan_rows])
+
+
+def test_expert_parallel_slices_sum_to_the_full_layer(kernel):
+    E, H, I, T, k = 8, 128, 64, 17, 4
+    w = make_experts(E, H, I, seed=3)
+    x = torch.randn(T, H)
+    ids, tw = routes(T, k, 0, E - 1, seed=3)
+    full = K.moe_mxfp4(x, ids, tw, *w, 0, E - 1)
+    parts = [K.moe_mxfp4(x, ids, tw, *(t[lo:hi + 1] for t in w), lo, hi)
+             for lo, hi in ((0, 2), (3, 7))]
+    assert_close(parts[0] + parts[1], full)
+    assert_close(full, oracle_moe(x, ids, tw, *w, 0, E - 1))
+
+
+def test_untouched_experts_are_not_read_and_outside_routes_give_zero(kernel):
+    E, H, I, T = 4, 64, 32, 9
+    w13, s13, w2, s2 = make_experts(E, H, I, seed=5)
+    s13[2] = 255  # expert 2 is NaN everywhere: reading it would poison the output
+    s2[2] = 255
+    x = torch.randn(T, H)
+    ids, tw = routes(T, 3, 0, E - 1, seed=5)
+    ids[ids == 2] = 3  # no token goes to expert 2
+    ids[0] = 40  # token 0 goes to experts of other ranks only
+    got = K.moe_mxfp4(x, ids, tw, w13, s13, w2, s2, 0, E - 1)
+    assert torch.isfinite(got).all() and (got[0] == 0).all()
+    assert_close(got, oracle_moe(x, ids, tw, w13, s13, w2, s2, 0, E - 1))
+    nobody = torch.full((T, 3), 99, dtype=torch.int32)
+    assert (K.moe_mxfp4(x, nobody, tw, w13, s13, w2, s2, 0, E - 1) == 0).all()
+
+
+def test_bf16_input_and_loose_dtypes(isa):
+    E, H, I, T, k = 4, 128, 64, 17, 3
+    w = make_experts(E, H, I, seed=7)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids, tw = routes(T, k, 0, E - 1, seed=7)
+    tw16 = tw.to(torch.bfloat16)  # router weights may come in any float dtype
+    for got, weights in ((K.moe_mxfp4(x, ids.long(), tw16, *w, 0, E - 1), tw16.float()),
+                         (K.moe_mxfp4(x, ids, tw, *w, 0, E - 1, gemm_min_routes=1), tw)):
+        want = oracle_moe(x.float(), ids, weights, *w, 0, E - 1)
+        assert got.dtype == torch.bfloat16
+        # each output is rounded once to bf16 (8 significant bits)
+        assert ((got.double() - want).abs() <= 2.0**-8 * want.abs() + 1e-6 * want.abs().max()).all()
+    # a non-contiguous x and fp16 router weights
+    xt = torch.randn(H, T).t()
+    got = K.moe_mxfp4(xt, ids.long(), tw.half(), *w, 0, E - 1)
+    assert_close(got, oracle_moe(xt, ids, tw.half().float(), *w, 0, E - 1))
+
+
+def test_decode_matches_oracle_bit_for_bit(isa):
+    g = torch.Generator().manual_seed(11)
+    packed = torch.randint(0, 256, (7, 80), dtype=torch.uint8, generator=g)
+    scales = torch.randint(0, 256, (7, 5), dtype=torch.uint8, generator=g)
+    scales[0, :4] = torch.tensor([0, 1, 254, 255], dtype=torch.uint8)
+    got = K.decode(packed, scales)
+    torch.testing.assert_close(got, oracle_decode(packed, scales).float(), rtol=0, atol=0,
+                               equal_nan=True)
+
+
+def test_bad_shapes_are_refused(kernel):
+    w13, s13, w2, s2 = make_experts(2, 64, 32)
+    x, (ids, tw) = torch.randn(3, 64), routes(3, 2, 0, 1)
+    with pytest.raises(ValueError, match="span the 2 local experts"):
+        K.moe_mxfp4(x, ids, tw, w13, s13, w2, s2, 0, 2)
+    with pytest.raises(ValueError, match="shapes"):
+        K.moe_mxfp4(torch.randn(3, 96), ids, tw, w13, s13, w2, s2, 0, 1)
+
+
+def test_library_is_cached_by_hash(kernel, tmp_path):
+    path = build.library_path(K.SOURCE, build.DEFAULT_FLAGS, build.compiler())
+    assert path.exists() and path.parent == build.cache_dir()
+    mtime = path.stat().st_mtime_ns
+    assert build.build(K.SOURCE) == path and path.stat().st_mtime_ns == mtime  # not rebuilt
+
+
+def test_build_failure_warns_once_and_returns_none(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("DIST_GLM5_HOME", str(tmp_path))
+    bad = tmp_path / "broken.c"
+    bad.write_text("int f( {\n")
+    with caplog.at_level(logging.WARNING, logger="dist_glm5.kernels.build"):
+        assert build.load(bad) is None
+    assert len(caplog.records) == 1 and "broken.c unavailable" in caplog.records[0].getMessage()
+    assert not list((tmp_path / "kernels").glob("*.tmp"))  # no half-written file left behind
+
+
+def test_disabled_kernel_falls_back_to_the_reference():
+    code = textwrap.dedent("""
+        import torch
+        from dist_glm5.kernels import mxfp4_moe as K
+        assert not K.available()
+        g = torch.Generator().manual_seed(0)
+        w13 = torch.randint(0, 256, (2, 64, 32), dtype=torch.uint8, generator=g)
+        s13 = torch.randint(120, 130, (2, 64, 2), dtype=torch.uint8, generator=g)
+        w2 = torch.randint(0, 256, (2, 64, 16), dtype=torch.uint8, generator=g)
+        s2 = torch.randint(120, 130, (2, 64, 1), dtype=torch.uint8, generator=g)
+        x, ids, tw = torch.randn(3, 64), torch.tensor([[0, 1], [1, 5], [0, 0]]), torch.rand(3, 2)
+        got = K.moe_mxfp4(x, ids, tw, w13, s13, w2, s2, 0, 1)
+        assert torch.equal(got, K.moe_mxfp4_reference(x, ids, tw, w13, s13, w2, s2, 0, 1))
+        print("fallback ok")
+    """)
+    env = dict(os.environ, DIST_GLM5_KERNELS="0")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "fallback ok" in r.stdout, r.stderr
