@@ -139,11 +139,9 @@ def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _decode_reference(packed: Tensor, scales: Tensor) -> Tensor:
-    """The project's MXFP4 codec (its module may sit at either path during a restructure)."""
-    try:
-        from dist_glm5.quant.mxfp4 import decode
-    except ImportError:
-        from dist_glm5.mxfp4 import decode
+    """The project's MXFP4 codec, to fp32."""
+    from dist_glm5.quant.mxfp4 import decode
+
     return decode(packed, scales, torch.float32)
 
 
