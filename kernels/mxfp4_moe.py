@@ -145,33 +145,17 @@ def _decode_reference(packed: Tensor, scales: Tensor) -> Tensor:
     return decode(packed, scales, torch.float32)
 
 
-def _experts_loop(x: Tensor, ids: Tensor, weights: Tensor, experts: list[int], expert_weights,
-                  out: Tensor) -> None:
-    """out[t] += w * down(silu(gate(x_t)) * up(x_t)) for each route (t, slot) to a local expert
-    in `experts`; `ids` are LOCAL ids. expert_weights(e) -> (w13 [2I, H], w2 [H, I]) in fp32."""
-    for e in experts:
-        tok, slot = torch.where(ids == e)
-        w13, w2 = expert_weights(e)
-        gate, up = F.linear(x[tok], w13).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2) * weights[tok, slot, None]
-        out.index_add_(0, tok, y)
-
-
 def moe_mxfp4_reference(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor,
                         w13_scale: Tensor, w2: Tensor, w2_scale: Tensor, experts_min: int,
                         experts_max: int) -> Tensor:
-    """Same contract as moe_mxfp4, in plain torch: decode each touched expert to fp32 with the
-    project's codec and run the experts loop in fp32 (dequantise-then-GEMM)."""
-    E, H, I = _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, experts_min,
-                     experts_max)
-    xf, wf = x.float(), topk_weights.float()
-    local = topk_ids.long() - experts_min
-    hit = (local >= 0) & (local < E)
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    _experts_loop(xf, local, wf, torch.unique(local[hit]).tolist(),
-                  lambda e: (_decode_reference(w13[e], w13_scale[e]),
-                             _decode_reference(w2[e], w2_scale[e])), out)
-    return out.to(x.dtype)
+    """Same contract as moe_mxfp4, in plain torch (ops/experts.py's reference, after the same
+    checks): each touched expert decoded to fp32 with the project's codec, then the experts loop
+    in fp32 (dequantise-then-GEMM)."""
+    from dist_glm5.ops.experts import experts_mxfp4_reference
+
+    _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, experts_min, experts_max)
+    return experts_mxfp4_reference(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
+                                   experts_min, experts_max)
 
 
 def decode(packed: Tensor, scales: Tensor) -> Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dist_glm5.backends import default_ops
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa import DSAConfig
 from dist_glm5.model.kv_cache import ForwardBatch, PagedKVCache
@@ -17,6 +18,7 @@ from dist_glm5.model.layer import DecoderLayer
 from dist_glm5.model.mtp import MTPLayer
 from dist_glm5.model.norm import RMSNorm
 from dist_glm5.model.rope import RopeTable
+from dist_glm5.ops import Ops
 
 
 class Trunk(nn.Module):
@@ -28,14 +30,15 @@ class Trunk(nn.Module):
         head: bool,
         mtp: bool,
         experts: range | None,
+        ops: Ops,
     ):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, experts) for i in layers})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, ops, experts) for i in layers})
         if mtp:
             for j in range(cfg.num_nextn_predict_layers):
                 n = cfg.num_hidden_layers + j
-                self.layers[str(n)] = MTPLayer(cfg, n, experts)
+                self.layers[str(n)] = MTPLayer(cfg, n, ops, experts)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
 
 
@@ -48,7 +51,10 @@ class Glm5Model(nn.Module):
         head: bool | None = None,
         mtp: bool | None = None,
         experts: range | None = None,
+        ops: Ops | None = None,
     ):
+        """ops: the hot ops every layer runs (dist_glm5.ops.Ops), chosen once here; default the
+        CPU backend's (the packed MXFP4 kernel when it builds)."""
         super().__init__()
         n = cfg.num_hidden_layers
         layers = range(n) if layers is None else layers
@@ -75,7 +81,8 @@ class Glm5Model(nn.Module):
                 f"expert range {experts} must be a non-empty contiguous part of "
                 f"0..{cfg.n_routed_experts - 1}"
             )
-        self.model = Trunk(cfg, layers, embed, head, mtp, self.experts)
+        self.ops = ops or default_ops()
+        self.model = Trunk(cfg, layers, embed, head, mtp, self.experts, self.ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
         self.has_mtp = mtp
         self.rope = RopeTable(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)

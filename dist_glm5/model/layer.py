@@ -12,17 +12,18 @@ from dist_glm5.model.kv_cache import ForwardBatch, PagedKVCache
 from dist_glm5.model.mla import MLA
 from dist_glm5.model.moe import MLP, MoE
 from dist_glm5.model.norm import RMSNorm
+from dist_glm5.ops import Ops
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, experts: range | None = None):
+    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops, experts: range | None = None):
         super().__init__()
         self.layer = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLA(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = (
-            MoE(cfg, experts)
+            MoE(cfg, ops, experts)
             if cfg.is_moe_layer(layer)
             else MLP(cfg.hidden_size, cfg.intermediate_size)
         )

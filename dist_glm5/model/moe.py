@@ -3,7 +3,8 @@
 Routed experts are held fused in the serving layout: w13 [E_local, 2I, H] with each expert's rows
 [gate; up] concatenated (not interleaved), and w2 [E_local, H, I]. Under expert parallelism a rank
 holds experts first_expert .. first_expert+E_local-1 and contributes only their outputs (the
-caller sums over ranks). `experts_reference` is the plain loop every fast kernel is checked against.
+caller sums over ranks). `experts_reference` is the plain loop every fast kernel is checked against;
+the experts run through the backend's ops (dist_glm5/ops/experts.py), given at construction.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.router import Router
+from dist_glm5.ops import Ops
 
 
 def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -57,41 +59,33 @@ class MLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """Float routed experts in the fused serving layout."""
+    """Float routed experts in the fused serving layout, run by the backend's dense experts op."""
 
-    def __init__(self, cfg: ModelConfig, first_expert: int = 0, num_local: int | None = None):
+    def __init__(self, cfg: ModelConfig, ops: Ops, first_expert: int = 0, num_local: int = 0):
         super().__init__()
-        self.first_expert = first_expert
-        self.num_local = cfg.n_routed_experts if num_local is None else num_local
+        self.ops = ops.experts
+        self.first_expert, self.num_local = first_expert, num_local or cfg.n_routed_experts
         I, H = cfg.moe_intermediate_size, cfg.hidden_size
         self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * I, H), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(self.num_local, H, I), requires_grad=False)
 
-    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.w13_weight[e], self.w2_weight[e]
-
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return experts_reference(
-            x, weights, ids, self.expert_weights, self.first_expert, self.num_local
+        # x [T, H], weights [T, k], ids [T, k] int32 global -> [T, H] (this rank's experts)
+        lo = self.first_expert
+        return self.ops.dense(
+            x, ids, weights, self.w13_weight, self.w2_weight, lo, lo + self.num_local - 1
         )
 
 
 class MXFP4Experts(nn.Module):
     """Routed experts in the packed MXFP4 serving layout (uint8 elements + E8M0 scales, blocks of 32
-    along the input dim), decoded per expert for the reference loop; fast kernels live in
-    kernels/."""
+    along the input dim), run as they are by the backend's MXFP4 experts op (the CPU kernel
+    unpacks in registers; the reference decodes each touched expert)."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        first_expert: int = 0,
-        num_local: int | None = None,
-        dtype: torch.dtype = torch.float32,
-    ):
+    def __init__(self, cfg: ModelConfig, ops: Ops, first_expert: int = 0, num_local: int = 0):
         super().__init__()
-        self.first_expert = first_expert
-        self.num_local = cfg.n_routed_experts if num_local is None else num_local
-        self.compute_dtype = dtype
+        self.ops = ops.experts
+        self.first_expert, self.num_local = first_expert, num_local or cfg.n_routed_experts
         I, H, E = cfg.moe_intermediate_size, cfg.hidden_size, self.num_local
         for name, shape in (
             ("w13_weight", (E, 2 * I, H // 2)),
@@ -102,33 +96,31 @@ class MXFP4Experts(nn.Module):
             self.register_buffer(name, torch.zeros(shape, dtype=torch.uint8))
 
     def _apply(self, fn, recurse=True):
-        # .to(dtype) moves the compute dtype; the packed bytes stay uint8
-        probe = fn(torch.zeros(()))
-        if probe.is_floating_point():
-            self.compute_dtype = probe.dtype
+        # .to(dtype) must leave the packed bytes uint8
         return super()._apply(lambda t: t if t.dtype == torch.uint8 else fn(t), recurse)
 
-    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from dist_glm5.quant.mxfp4 import decode
-
-        return (
-            decode(self.w13_weight[e], self.w13_weight_scale[e], self.compute_dtype),
-            decode(self.w2_weight[e], self.w2_weight_scale[e], self.compute_dtype),
-        )
-
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return experts_reference(
-            x, weights, ids, self.expert_weights, self.first_expert, self.num_local
+        lo = self.first_expert
+        return self.ops.mxfp4(
+            x,
+            ids,
+            weights,
+            self.w13_weight,
+            self.w13_weight_scale,
+            self.w2_weight,
+            self.w2_weight_scale,
+            lo,
+            lo + self.num_local - 1,
         )
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, experts: range | None = None):
+    def __init__(self, cfg: ModelConfig, ops: Ops, experts: range | None = None):
         super().__init__()
         self.gate = Router(cfg)
         experts = range(cfg.n_routed_experts) if experts is None else experts
         cls = MXFP4Experts if cfg.experts_format == "mxfp4" else Experts
-        self.experts = cls(cfg, experts.start, len(experts))
+        self.experts = cls(cfg, ops, experts.start, len(experts))
         self.recorder = None  # (RouteRecorder, layer) while routes are being recorded
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
@@ -140,7 +132,7 @@ class MoE(nn.Module):
         w, ids = self.gate(x)
         if self.recorder is not None:
             self.recorder[0].record(self.recorder[1], ids)
-        y = self.experts(x, w, ids)
+        y = self.experts(x, w, ids.to(torch.int32))  # the ops take int32 ids, as Gaudi's
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y

@@ -23,6 +23,7 @@ from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.kv_cache import ForwardBatch, PagedKVCache
 from dist_glm5.model.layer import DecoderLayer
 from dist_glm5.model.norm import RMSNorm
+from dist_glm5.ops import Ops
 
 
 class SharedHead(nn.Module):
@@ -33,8 +34,8 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    def __init__(self, cfg: ModelConfig, layer: int, experts: range | None = None):
-        super().__init__(cfg, layer, experts)
+    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops, experts: range | None = None):
+        super().__init__(cfg, layer, ops, experts)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)

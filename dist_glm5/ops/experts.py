@@ -11,7 +11,7 @@ The interface is the Gaudi op's (shared/gaudi.md section 1), so the hpu backend 
 Both return the sum over THIS rank's experts only (ids outside the inclusive range
 experts_min..experts_max contribute nothing; the caller sums over ranks). w13 rows per expert are
 [gate; up]. The references below wrap model/moe.py's `experts_reference`, the plain loop every
-fast op is tested against.
+fast op is tested against. MXFP4 accumulates in fp32 whatever x's dtype (as the kernels do).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import Tensor
 
 from dist_glm5.model.moe import experts_reference
@@ -41,16 +42,23 @@ def experts_dense_reference(x, topk_ids, topk_weights, w13, w2, experts_min, exp
 def experts_mxfp4_reference(
     x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, experts_min, experts_max
 ):
-    """Dequantise each touched expert to x's dtype with our codec, then the loop (today's
-    'stock op': every touched expert unpacked in memory before small GEMMs)."""
+    """Dequantise each touched expert to fp32 with our codec, then the loop in fp32 (the 'stock
+    op': every touched expert unpacked in memory before small GEMMs)."""
     from dist_glm5.quant.mxfp4 import decode
 
     def weights(e):
-        return (decode(w13[e], w13_scale[e], x.dtype), decode(w2[e], w2_scale[e], x.dtype))
+        f32 = torch.float32
+        return decode(w13[e], w13_scale[e], f32), decode(w2[e], w2_scale[e], f32)
 
-    return experts_reference(
-        x, topk_weights, topk_ids, weights, experts_min, experts_max - experts_min + 1
+    y = experts_reference(
+        x.float(),
+        topk_weights.float(),
+        topk_ids,
+        weights,
+        experts_min,
+        experts_max - experts_min + 1,
     )
+    return y.to(x.dtype)
 
 
 @dataclass(frozen=True)

