@@ -1,7 +1,8 @@
 """Sparse DSA at scale: what the reference masks densely (O(T^2)), computed over gathered keys.
 
 - Indexer scores are computed against the cached indexer keys in capped chunks; each query row's
-  selection comes from `topk.select_topk_bisect` (same keys as the reference, ties to earlier keys).
+  selection comes from the backend's exact top-k (ops/topk.py: torch.topk on CPU, bisection on
+  Gaudi; same keys as the reference, ties to earlier keys).
 - Decode (small chunks): gather exactly each query's selected rows (<= index_topk) from the paged
   latent cache and attend over them with the absorbed MLA form: cost no longer grows with context
   (the indexer itself still scans every key once).
@@ -109,9 +110,10 @@ def select(
     head_dim: int,
     cfg: DSAConfig,
     row_split: tuple[int, int, Callable] | None = None,
+    select_topk: Callable = select_topk_bisect,
 ) -> torch.Tensor:
-    """Keep-mask [n, L] for n query rows over the L keys at `slots` (bisection top-k, capped
-    gathers).
+    """Keep-mask [n, L] for n query rows over the L keys at `slots` (exact top-k by
+    `select_topk`, the backend's choice; capped gathers).
 
     row_split = (rank, ranks, all_gather_packed): each rank scores its share of the rows and the
     ranks exchange bit-packed masks, so every rank ends with all rows' selections."""
@@ -126,7 +128,7 @@ def select(
     for a in range(rows.start, rows.stop, step):
         b = min(rows.stop, a + step)
         s = index_scores_capped(q[a:b], w[a:b], idx_store, slots, head_dim, cfg.gather_cap_bytes)
-        keep[a - rows.start : b - rows.start] = select_topk_bisect(s, q_pos[a:b], topk)
+        keep[a - rows.start : b - rows.start] = select_topk(s, q_pos[a:b], topk)
     if row_split is not None:
         keep = exchange(keep, n, L)
     return keep

@@ -20,7 +20,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLA(cfg, layer)
+        self.self_attn = MLA(cfg, layer, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = (
             MoE(cfg, ops, experts)

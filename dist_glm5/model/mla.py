@@ -22,6 +22,8 @@ from dist_glm5.model.indexer import Indexer, index_scores, select_topk_reference
 from dist_glm5.model.kv_cache import SMALL_CHUNK, ForwardBatch, PagedKVCache
 from dist_glm5.model.norm import RMSNorm
 from dist_glm5.model.rope import apply_rope
+from dist_glm5.ops import Ops
+from dist_glm5.ops.topk import select_topk_bisect
 
 
 def mla_expanded(
@@ -72,9 +74,11 @@ def mla_absorbed(
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops | None = None):
         super().__init__()
         self.layer = layer
+        # the sparse path's top-k selection: the backend's fastest exact method
+        self.select_topk = ops.select_topk if ops else select_topk_bisect
         self.n_heads = cfg.num_attention_heads
         self.nope, self.rope, self.v_dim = (
             cfg.qk_nope_head_dim,
@@ -192,6 +196,7 @@ class MLA(nn.Module):
             self.indexer.head_dim,
             self.dsa,
             self.row_split,
+            self.select_topk,
         )
 
     def _sparse(self, x, batch, q_nope, q_rot, kv_store, iq, iw, idx_store, prev_keep, h):
