@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from dist_glm5.obs.bandwidth import read_bandwidth
+
 MODELS = {  # name: (hidden, moe_intermediate, experts allocated, top-k)
     "glm5": (6144, 2048, 64, 8),
     "small": (1024, 512, 64, 8),
@@ -67,19 +69,6 @@ def best_time(fn, budget: float, max_reps: int = 50, before=None, min_reps: int 
         fn()
         times.append(time.perf_counter() - t)
     return min(times)
-
-
-def read_bandwidth(threads: int) -> float:
-    """Bytes/s of torch.sum over a 1 GiB fp32 tensor, best of 5."""
-    torch.set_num_threads(threads)
-    x = torch.ones(1 << 28)
-    x.sum()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
 
 
 class CacheFlush:

@@ -117,17 +117,31 @@ def register(p: argparse.ArgumentParser) -> None:
         default=1.95,
         help="MTP: tokens verified per sequence per step",
     )
+    p.add_argument(
+        "--hw",
+        choices=["gaudi2", "this-machine"],
+        default="gaudi2",
+        help="gaudi2: HBM's published 2.45 TB/s per card; this-machine: one worker's read "
+        "bandwidth measured here at --threads",
+    )
+    p.add_argument("--threads", type=int, default=1, help="with --hw this-machine")
     p.add_argument("--output")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_hf(args.model) if args.model else ModelConfig(num_nextn_predict_layers=1)
-    rows = decode_bytes(cfg, args.nodes, args.ctx, args.batch, round(args.tokens_per_seq))
-    hw = HBM()
+    if args.hw == "this-machine":
+        from dist_glm5.obs.bandwidth import read_bandwidth
+
+        bw = read_bandwidth(args.threads)
+        hw = HBM(f"this machine ({args.threads} thread(s), measured)", bw, 1)
+    else:
+        hw = HBM()
+    rows = decode_bytes(cfg, args.nodes, args.ctx, args.batch, round(args.tokens_per_seq), hw)
     print(
-        f"decode-step roofline (COMPUTED, not measured): {args.nodes} node(s) x "
-        f"{hw.cards_per_node} {hw.name} cards, {hw.bandwidth / 1e12:.2f} TB/s each, context "
+        f"decode-step roofline (COMPUTED bytes, not a measured step): {args.nodes} node(s) x "
+        f"{hw.cards_per_node} {hw.name} worker(s), {hw.bandwidth / 1e9:.1f} GB/s each, context "
         f"{args.ctx}, batch {args.batch}"
     )
     for r in rows:

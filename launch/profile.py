@@ -44,9 +44,8 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bandwidth-gbs",
         type=float,
-        default=20.0,
-        help="memory bandwidth per worker for the roofline bound "
-        "(GB/s; default: a CPU core's share)",
+        help="memory bandwidth per worker for the roofline bound (GB/s; default: measured here "
+        "at the workers' thread count, torch sum over 1 GiB)",
     )
     p.set_defaults(func=run)
 
@@ -128,15 +127,23 @@ def chrome_trace(events_by: dict, kinds: dict) -> dict:
     return {"traceEvents": meta + sorted(out, key=lambda e: e["ts"]), "displayTimeUnit": "ms"}
 
 
-def roofline_fraction(d, args, decode: dict) -> dict:
+def run_threads(args) -> int:
+    """Torch threads per worker in this run (the worker keeps torch's default unless told)."""
+    import torch
+
+    return args.threads or torch.get_num_threads()
+
+
+def roofline_fraction(d, args, decode: dict, bandwidth_gbs: float) -> dict:
     """Measured decode step time against the bandwidth bound for the same model and workload
     (bench/roofline.py)."""
     from dist_glm5.bench.roofline import HBM, decode_bytes
     from dist_glm5.model.config import ModelConfig
 
     cfg = ModelConfig.from_hf(d)
-    wb = 4 if cfg.torch_dtype == "float32" else 2
-    hw = HBM("this machine", args.bandwidth_gbs * 1e9, max(args.tp, args.ep))
+    dtype = args.dtype or cfg.torch_dtype
+    wb = 4 if dtype == "float32" else 2
+    hw = HBM("this machine", bandwidth_gbs * 1e9, max(args.tp, args.ep))
     rows = decode_bytes(
         cfg,
         args.stages,
@@ -198,12 +205,20 @@ def run(args: argparse.Namespace) -> int:
     for kind in ("decode", "prefill"):
         for line in describe(result[kind], kind):
             print(line)
-    result["roofline"] = roofline_fraction(d, args, result["decode"])
+    if args.bandwidth_gbs:
+        bw, how = args.bandwidth_gbs, "given"
+    else:  # measured after the run: the workers' memory is free again
+        from dist_glm5.obs.bandwidth import read_bandwidth
+
+        bw = read_bandwidth(run_threads(args)) / 1e9
+        how = f"measured at {run_threads(args)} thread(s)"
+    result["bandwidth_gb_s"] = bw
+    result["roofline"] = roofline_fraction(d, args, result["decode"], bw)
     for s, r in result["roofline"].items():
         print(
             f"stage {s}: decode step {r['measured_ms']:.2f} ms = {r['fraction']:.1f}x the "
             f"roofline bound {r['bound_ms']:.3f} ms ({r['bytes'] / 1e6:.1f} MB per step at "
-            f"{args.bandwidth_gbs:g} GB/s; computed)"
+            f"{bw:.1f} GB/s {how}; computed)"
         )
     if args.output:
         from .timeline_plot import plot_timeline  # matplotlib: imported only when drawing
