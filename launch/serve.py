@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -124,9 +123,12 @@ def serve(args: argparse.Namespace, d: Path, cfg) -> int:
     from dist_glm5.checkpoint.tokenizer import load_tokenizer
     from dist_glm5.model.dsa_config import DSAConfig
 
+    from .api.app import build_app
+    from .api.engine_client import EngineClient
+    from .api.engine_request import ModelInfo
+    from .api.server import HttpServer, ServerSettings
     from .engine_args import build_engine, engine_config
     from .engine_loop import EngineLoop
-    from .http_server import App, serve_http
 
     t0 = time.perf_counter()
     blocks = -(-(args.ctx + args.chunk_tokens) // args.block_size)  # one sequence of --ctx
@@ -136,42 +138,35 @@ def serve(args: argparse.Namespace, d: Path, cfg) -> int:
         )
     )
     loop = EngineLoop(engine)
-    tc = d / "tokenizer_config.json"
-    template = json.loads(tc.read_text()).get("chat_template") if tc.exists() else None
-    app = App(
-        loop,
-        load_tokenizer(d),
-        args.served_model_name or d.name,
-        args.ctx,
-        template,
-        args.api_key,
-        [f"stage {s}" for s in range(args.stages)],
+    tokenizer = load_tokenizer(d)
+    model = ModelInfo.from_model_dir(
+        d, args.served_model_name or d.name, args.ctx, cfg.vocab_size, tokenizer
     )
-    httpd = serve_http(app, args.host, args.port)
-    stop = threading.Event()
+    client = EngineClient(loop, tokenizer)
+    server = HttpServer(
+        build_app(client, model, args.api_key), ServerSettings(host=args.host, port=args.port)
+    )
+    # uvicorn stops on SIGINT/SIGTERM and then re-raises the signal to the handler it found:
+    # this one, so that the engine is closed (Ray actors included) before the process ends
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        signal.signal(sig, lambda *_: None)
     log.warning(
-        "serving %s on http://%s:%d/v1 (%d stage(s), ready in %.1fs)",
-        app.model_name,
-        args.host,
-        httpd.server_address[1],
+        "serving %s on %s/v1 (%d stage(s), ready in %.1fs)",
+        model.name,
+        server.url,
         args.stages,
         time.perf_counter() - t0,
     )
-    print(
-        json.dumps(
-            {
-                "event": "ready",
-                "url": f"http://{args.host}:{httpd.server_address[1]}/v1",
-                "model": app.model_name,
-                "seconds": round(time.perf_counter() - t0, 2),
-            }
-        ),
-        flush=True,
-    )
-    stop.wait()
-    httpd.shutdown()
-    loop.close()
+    ready = {
+        "event": "ready",
+        "url": f"{server.url}/v1",
+        "model": model.name,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    print(json.dumps(ready), flush=True)
+    try:
+        server.run()
+    finally:
+        client.close()
+        loop.close()
     return 0

@@ -1,0 +1,8 @@
+"""The OpenAI-compatible HTTP server on FastAPI + uvicorn.
+
+One concept per file: `protocol.py` the request and response bodies (pydantic, OpenAI's names),
+`engine_request.py` a validated request turned into prompt ids and SamplingParams,
+`chat_template.py` chats rendered to text, `engine_client.py` the server's view of the engine loop,
+`serving.py` the completion endpoints (JSON and SSE), `metrics.py` /metrics, `auth.py` the API key,
+`errors.py` OpenAI's error bodies, `app.py` the routes, `server.py` uvicorn and its limits.
+"""
