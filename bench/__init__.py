@@ -8,12 +8,26 @@ import argparse
 
 def register(p: argparse.ArgumentParser) -> None:
     from . import all as all_
-    from . import encoder, generate_vs_hf, kernels, longctx, pipeline, roofline, serve
+    from . import (
+        decode,
+        encoder,
+        generate_vs_hf,
+        kernels,
+        longctx,
+        pipeline,
+        roofline,
+        serve,
+    )
 
     sub = p.add_subparsers(dest="bench_command", required=True)
     all_.register(
         sub.add_parser(
             "all", help="every benchmark in one run: all.json and a markdown table of ratios"
+        )
+    )
+    decode.register(
+        sub.add_parser(
+            "decode", help="small model decode/prefill: MXFP4 vs BF16 vs transformers vs roofline"
         )
     )
     encoder.register(

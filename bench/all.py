@@ -23,7 +23,7 @@ def register(p: argparse.ArgumentParser) -> None:
         "--skip",
         nargs="*",
         default=[],
-        help="benchmarks to leave out (generate encoder longctx pipeline serve)",
+        help="benchmarks to leave out (generate kernels decode encoder longctx pipeline serve)",
     )
     p.set_defaults(func=run)
 
@@ -39,10 +39,12 @@ def _run(mod, argv: list[str]) -> dict | list:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import encoder, generate_vs_hf, longctx, pipeline, roofline, serve
+    from . import decode, encoder, generate_vs_hf, kernels, longctx, pipeline, roofline, serve
 
     plan = [
         ("generate", generate_vs_hf, []),
+        ("kernels", kernels, []),
+        ("decode", decode, []),
         ("encoder", encoder, []),
         ("longctx", longctx, []),
         ("pipeline", pipeline, []),
@@ -61,6 +63,22 @@ def run(args: argparse.Namespace) -> int:
         md.append(
             f"| generate vs transformers | batch {r['batch']}: prefill / decode tok/s ratio | "
             f"{r['prefill_ratio']:.2f} / {r['decode_ratio']:.2f} |"
+        )
+    for r in (res.get("kernels") or {}).get("decode", []):
+        if r["tokens"] == 1:
+            md.append(
+                f"| MXFP4 MoE kernel | {r['model']}, {r['threads']} thread(s), batch 1: of read "
+                f"bandwidth; x dequantise-then-GEMM | {r['of_bandwidth']:.0%}; "
+                f"{r['speedup']:.1f}x |"
+            )
+    for r in res.get("decode", []):
+        mx, bf = r["mxfp4"], r["bf16"]
+        hf = f"; {mx['decode_tok_s'] / r['hf_bf16']['decode_tok_s']:.2f}x" if "hf_bf16" in r else ""
+        md.append(
+            f"| small model decode | {r['threads']} thread(s): MXFP4 / BF16; MXFP4 / "
+            f"transformers BF16; step x roofline (MXFP4, BF16) | "
+            f"{mx['decode_tok_s'] / bf['decode_tok_s']:.2f}x{hf}; {mx['of_bound']:.1f}x, "
+            f"{bf['of_bound']:.1f}x |"
         )
     thr = [r for r in (res.get("encoder") or {}).get("throughput", [])]
     for th in sorted({r["threads"] for r in thr}):

@@ -52,7 +52,7 @@ def register(p: argparse.ArgumentParser) -> None:
                    help="routes to one expert: fused vs decode + GEMM (empty: skip)")
     p.add_argument("--isa", choices=["scalar", "avx2", "avx512"], help="force the kernel's path")
     p.add_argument("--budget", type=float, default=0.5, help="seconds of repeats per point")
-    p.add_argument("--json", help="write all figures here")
+    p.add_argument("--json", "--output", dest="json", help="write all figures here")
     p.set_defaults(func=run)
 
 
