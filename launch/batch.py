@@ -4,7 +4,8 @@ Each input line is a JSON object with "prompt" (text) or "prompt_ids" (token ids
 (default: the line number) and optional sampling fields (max_tokens, temperature, ...). Exactly one
 result line per prompt is appended to the output as it finishes, flushed and fsynced; a rerun skips
 ids already in the output, so a job killed halfway completes without duplicates. A prompt that
-fails gets its line too, with the error.
+fails gets its line too, with the error. Ctrl-C stops cleanly: the step under way finishes, its
+results are written whole, the pipeline is closed and the job exits with 130; rerun to resume.
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ import json
 import logging
 import os
 import signal
+import threading
 from pathlib import Path
 
 from tqdm import tqdm
-
-from dist_glm5.model.dsa_config import DSAConfig
 
 from .engine_args import add_layout_args, build_engine, engine_config, model_dir
 
@@ -46,7 +46,8 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", required=True, help="prompts, one JSON object per line")
     p.add_argument("--output", required=True, help="results, appended one JSON line per prompt")
     p.add_argument("--max-tokens", type=int, default=64, help="default for lines that do not say")
-    p.add_argument("--sparse", action="store_true", help="sparse DSA path (for long prompts)")
+    # the sparse path is the default now (--dsa dense for the reference); kept for old scripts
+    p.add_argument("--sparse", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
@@ -84,7 +85,6 @@ def done_ids(path: Path) -> set[str]:
 
 def run(args: argparse.Namespace) -> int:
     from dist_glm5.checkpoint.tokenizer import load_tokenizer
-    from dist_glm5.sampling.params import SamplingParams
 
     d = model_dir(args)
     tok = load_tokenizer(d)
@@ -100,14 +100,23 @@ def run(args: argparse.Namespace) -> int:
             out_path, "ab"
         ) as f:  # close a torn line so the next result starts on its own line
             f.write(b"\n")
-    engine = build_engine(
-        engine_config(args, d, dsa=DSAConfig(mode="sparse") if args.sparse else None)
-    )
+    engine = build_engine(engine_config(args, d))
     pending: dict[int, dict] = {}
-    # Fault injection for the crash-resume test: die by SIGKILL right after this many lines, a
-    # deterministic point (polling the file from outside races the job's end).
-    kill_after = int(os.environ.get("DIST_GLM5_BATCH_KILL_AFTER", "0"))
+    # Fault injection for the resume tests: right after this many result lines, send this process
+    # a signal (KILL by default; "3:INT" for Ctrl-C), a deterministic point (polling the file
+    # from outside races the job's end).
+    when, _, sig = os.environ.get("DIST_GLM5_BATCH_KILL_AFTER", "0").partition(":")
+    kill_after, kill_sig = int(when), getattr(signal, f"SIG{sig or 'KILL'}")
     written = 0
+    interrupted = threading.Event()
+
+    def on_sigint(*_):
+        if interrupted.is_set():  # a second Ctrl-C: stop at once
+            raise KeyboardInterrupt
+        interrupted.set()
+        log.warning("interrupted: finishing the current step, then stopping (Ctrl-C again: now)")
+
+    old_handler = signal.signal(signal.SIGINT, on_sigint)
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="batch", unit="prompt")
     try:
         with open(out_path, "a") as out:
@@ -120,45 +129,60 @@ def run(args: argparse.Namespace) -> int:
                 bar.update()
                 written += 1
                 if written == kill_after:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), kill_sig)
 
             for j in todo:
                 try:
-                    extra = sorted(set(j) - FIELDS - {"id", "line", "prompt", "prompt_ids"})
-                    if extra:
-                        raise ValueError(f"unknown fields {extra}")
-                    if "prompt_ids" in j:
-                        ids = [int(t) for t in j["prompt_ids"]]
-                    elif isinstance(j.get("prompt"), str) and tok is not None:
-                        ids = tok.encode(j["prompt"])
-                    else:
-                        raise ValueError("give prompt (text, needs a tokenizer) or prompt_ids")
-                    kw = {k: j[k] for k in FIELDS if k in j}
-                    kw.setdefault("max_tokens", args.max_tokens)
-                    for k in ("stop", "stop_token_ids"):
-                        if isinstance(kw.get(k), (str, int)):
-                            kw[k] = [kw[k]]
-                    seq = engine.add(ids, SamplingParams(**kw))
+                    seq = engine.add(_prompt_ids(j, tok), _params(j, args))
                     pending[seq.seq_id] = j
                 except (ValueError, TypeError) as e:
                     write({"id": j["id"], "error": str(e)})
-            for seq in engine.finished:  # max_tokens=0 finishes at once
-                j = pending.pop(seq.seq_id, None)
-                if j is not None:
-                    write(_result(j, seq, tok))
-            engine.finished.clear()
-            while pending:
+            # results are written between steps: an interrupt never tears a line
+            while pending and not interrupted.is_set():
                 for seq in engine.step():
                     j = pending.pop(seq.seq_id, None)
                     if j is not None:
-                        write(_result(j, seq, tok))
+                        write(_result(j, seq, tok is not None))
+    except KeyboardInterrupt:
+        interrupted.set()
     finally:
+        signal.signal(signal.SIGINT, old_handler)
         bar.close()
         engine.close()
+    if interrupted.is_set():
+        log.warning(
+            "stopped with %d of %d prompts unanswered; rerun the same command to resume "
+            "(answered ids are skipped)",
+            len(pending),
+            len(jobs),
+        )
+        return 130
     return 0
 
 
-def _result(j: dict, seq, tok) -> dict:
+def _prompt_ids(j: dict, tok) -> list[int]:
+    extra = sorted(set(j) - FIELDS - {"id", "line", "prompt", "prompt_ids"})
+    if extra:
+        raise ValueError(f"unknown fields {extra}")
+    if "prompt_ids" in j:
+        return [int(t) for t in j["prompt_ids"]]
+    if isinstance(j.get("prompt"), str) and tok is not None:
+        return tok.encode(j["prompt"])
+    raise ValueError("give prompt (text, needs a tokenizer) or prompt_ids")
+
+
+def _params(j: dict, args: argparse.Namespace):
+    from dist_glm5.sampling.params import SamplingParams
+
+    kw = {k: j[k] for k in FIELDS if k in j}
+    kw.setdefault("max_tokens", args.max_tokens)
+    for k in ("stop", "stop_token_ids"):
+        if isinstance(kw.get(k), (str, int)):
+            kw[k] = [kw[k]]
+    return SamplingParams(**kw)
+
+
+def _result(j: dict, seq, text: bool) -> dict:
     if seq.finish_reason == "error":
         return {"id": j["id"], "error": seq.error}
     r = {
@@ -167,8 +191,8 @@ def _result(j: dict, seq, tok) -> dict:
         "finish_reason": seq.finish_reason,
         "usage": {"prompt_tokens": len(seq.prompt), "completion_tokens": len(seq.output)},
     }
-    if tok is not None:
-        r["text"] = tok.decode(seq.output)
+    if text:
+        r["text"] = seq.text  # the engine's incremental detokenisation (stops before a stop string)
     if seq.logprobs:
         r["logprobs"] = seq.logprobs
     return r

@@ -42,6 +42,13 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
     p.add_argument("--placement", help="expert-to-rank placement JSON (dist-glm5 placement fit)")
+    p.add_argument(
+        "--dsa",
+        choices=["sparse", "dense"],
+        default="sparse",
+        help="DSA attention: the scaled sparse path (default), or the dense masked reference "
+        "(O(T^2): for checking, short prompts only)",
+    )
 
 
 def model_dir(args: argparse.Namespace) -> Path:
@@ -51,6 +58,11 @@ def model_dir(args: argparse.Namespace) -> Path:
     d = Path(args.model) if args.model else ensure_default_model()
     ModelConfig.from_hf(d)  # fail first on a directory that is not a checkpoint
     return d
+
+
+def dsa_config(args: argparse.Namespace) -> DSAConfig:
+    """--dsa: "sparse" (the default in every command) or "dense" (the reference)."""
+    return DSAConfig(mode="reference" if getattr(args, "dsa", "sparse") == "dense" else "sparse")
 
 
 def engine_config(
@@ -83,7 +95,7 @@ def engine_config(
         Layout(args.stages, args.tp, args.ep),
         cache,
         sched,
-        dsa or DSAConfig(),
+        dsa or dsa_config(args),
         mtp=args.mtp,
         dtype=args.dtype,
         threads=args.threads,

@@ -14,7 +14,6 @@ import json
 import logging
 from pathlib import Path
 
-from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.obs.profiler import exclusive_times
 
 from .engine_args import add_layout_args, build_engine, engine_config, model_dir
@@ -39,7 +38,8 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, default=512, help="prompt length")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--decode-steps", type=int, default=12)
-    p.add_argument("--sparse", action="store_true", help="sparse DSA path")
+    # the sparse path is the default now (--dsa dense for the reference); kept for old scripts
+    p.add_argument("--sparse", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--output", help="directory for trace.json, anatomy.json and timeline PNGs")
     p.add_argument(
         "--bandwidth-gbs",
@@ -176,9 +176,7 @@ def run(args: argparse.Namespace) -> int:
     from dist_glm5.sampling.params import SamplingParams
 
     d = model_dir(args)
-    engine = build_engine(
-        engine_config(args, d, dsa=DSAConfig(mode="sparse") if args.sparse else None, profile=True)
-    )
+    engine = build_engine(engine_config(args, d, profile=True))
     try:
         g = torch.Generator().manual_seed(0)
         prompts = [

@@ -4,8 +4,12 @@ sampled.
 It sees messages and token ids, never modules: plans go out through a Pipeline (in-process for one
 stage and one rank, or Ray actors talking zmq + torch.distributed), results come back. MTP drafts
 are proposed and verified on the last stage; the coordinator only feeds each draft back as the next
-step's [token, draft]. A stage failure fails the started requests with an error naming the stage and
-rank, then the pipeline is restarted so the next request is served.
+step's [token, draft]. Each sequence's text is detokenised incrementally here (one detokenizer per
+sequence, a few tokens decoded per step), and stop strings are matched on it.
+
+One failure path: a StageFailure raised by the pipeline's send() or recv() fails exactly the
+started requests (their error names the stage and rank), restarts the pipeline and keeps the
+waiting requests queued. A failure of one sequence alone (its sampling) fails that sequence only.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import random
 from dataclasses import dataclass, field, replace
 
+from dist_glm5.checkpoint.detokenizer import IncrementalDetokenizer, StopStrings
 from dist_glm5.sampling.params import SamplingParams, check_vocab
 
 from .engine_config import StageId
@@ -22,6 +27,7 @@ from .pipeline import Pipeline, StageFailure
 from .scheduler import Scheduler, SchedulerConfig, Sequence
 
 log = logging.getLogger(__name__)
+EVENT_STEPS_KEPT = 4096  # profiler spans kept (steps x workers): bounded
 
 
 @dataclass
@@ -30,6 +36,7 @@ class Stats:
     tokens: int = 0
     drafts_proposed: int = 0
     drafts_accepted: int = 0
+    restarts: int = 0
     stage_busy: dict[StageId, float] = field(default_factory=dict)  # seconds busy per worker
     peak_rss_mb: float = 0.0  # the last stage's (the one that reports results)
 
@@ -50,21 +57,28 @@ class Coordinator:
     ):
         self.pipeline, self.sched_cfg, self.eos, self.vocab = pipeline, sched, eos, vocab_size
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(sched, eos)
+        cache = pipeline.cache
+        self.scheduler = Scheduler(sched, tuple(eos), cache.blocks, cache.block_size)
         self.step_timeout = step_timeout
         self.ids = itertools.count()
         self.step_ids = itertools.count()
         self.in_flight = 0
         self.stats = Stats()
-        self.finished: list[Sequence] = []
-        self.step_events: dict[
-            tuple[int, int, int], list
-        ] = {}  # (step, stage, rank) -> profiler spans
+        self.status: tuple[str, str] = ("ok", "")  # ("ok" | "restarting", why)
+        self._done: list[Sequence] = []  # finished outside a step (max_tokens 0): next step's
+        self.step_events: dict[tuple[int, int, int], list] = {}  # (step, stage, rank) -> spans
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.has_work or self.in_flight or self._done)
 
     def add(self, prompt: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request; ValueError (naming the problem) for one the engine cannot serve."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling parameters must be SamplingParams, not {type(params)}")
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
-        bad = [t for t in prompt if not 0 <= t < self.vocab]
+        bad = [t for t in prompt if type(t) is not int or not 0 <= t < self.vocab]
         if bad:
             raise ValueError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary 0..{self.vocab - 1}"
@@ -74,78 +88,130 @@ class Coordinator:
             raise ValueError(
                 "stop strings need a tokenizer; this model has none (use stop_token_ids)"
             )
-        if (
-            not params.greedy and params.seed is None
-        ):  # every rank of the last stage must draw the same numbers
+        if not params.greedy and params.seed is None:
+            # every rank of the last stage must draw the same numbers
             params = replace(params, seed=random.getrandbits(63))
         seq = Sequence(next(self.ids), list(prompt), params)
         if params.max_tokens == 0:
             seq.finish_reason = "length"
-            self.finished.append(seq)
+            self._done.append(seq)
             return seq
         self.scheduler.add(seq)
+        if self.tokenizer is not None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer)
         return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Finish `seq` with reason "abort"; every stage drops it with the next plan."""
+        if not seq.finished:
+            self.scheduler.abort(seq.seq_id)
+            seq.detok = None
 
     def step(self) -> list[Sequence]:
         """Fill the pipeline with plans, then take one result. Returns sequences that finished."""
-        while self.in_flight < self.sched_cfg.microbatches:
-            plan = self.scheduler.next_plan(next(self.step_ids))
-            if plan is None:
-                break
-            self.pipeline.send(plan)
-            self.in_flight += 1
-        if self.in_flight == 0:
-            return []
+        done, self._done = self._done, []
         try:
+            while self.in_flight < self.sched_cfg.microbatches:
+                plan = self.scheduler.next_plan(next(self.step_ids))
+                if plan is None:
+                    break
+                self.in_flight += 1  # counted before send: a failed send is a started step
+                self.pipeline.send(plan)
+            if self.in_flight == 0:
+                return done
             res = self.pipeline.recv(self.step_timeout)
         except StageFailure as e:
-            return self._fail(e)
+            return done + self._fail(e)
         self.in_flight -= 1
         self.stats.steps += 1
         self.stats.peak_rss_mb = max(self.stats.peak_rss_mb, res.peak_rss_mb)
         if res.events and res.stage_times:
             t = res.stage_times[0]
-            self.step_events[(res.step, t.stage, t.rank)] = res.events
-        for t in getattr(self.pipeline, "timings", []):
-            if t.events:
-                self.step_events[(t.step, t.stage, t.rank)] = t.events
+            self._keep_events(res.step, t.stage, t.rank, res.events)
         for t in res.stage_times:
-            k = StageId(t.stage, t.rank)
-            self.stats.stage_busy[k] = self.stats.stage_busy.get(k, 0.0) + t.seconds
-        done = self.scheduler.on_result(res.step, res.outputs)
+            self._busy(t.stage, t.rank, t.seconds)
+        take = getattr(self.pipeline, "take_timings", None)
+        for t in take() if take else ():  # the other stages' times (Ray), drained: bounded
+            self._busy(t.stage, t.rank, t.busy_s)
+            if t.events:
+                self._keep_events(t.step, t.stage, t.rank, t.events)
+        outputs = {o.seq_id: o for o in res.outputs}
+        touched = [s for s, _ in self.scheduler.sent.get(res.step, ()) if not s.finished]
+        done += self.scheduler.on_result(res.step, res.outputs)
         for o in res.outputs:
             self.stats.tokens += len(o.tokens)
             if o.accepted is not None:
                 self.stats.drafts_proposed += 1
                 self.stats.drafts_accepted += o.accepted
-        done += self._check_stop_strings()
-        self.finished += done
+        for s in touched:
+            if outputs.get(s.seq_id) is not None and outputs[s.seq_id].tokens:
+                if self._text(s) and s not in done:
+                    done.append(s)
+        for s in done:
+            s.detok = None  # released with the request
         return done
 
-    def _check_stop_strings(self) -> list[Sequence]:
-        done = []
-        for s in list(self.scheduler.running):
-            if not s.params.stop or s.finished or s.in_flight:
-                continue
-            text = self.tokenizer.decode(s.output)
-            hits = [text.find(x) for x in s.params.stop if x in text]
-            if hits:
-                cut = min(hits)
-                while s.output and len(self.tokenizer.decode(s.output[:-1])) >= cut:
-                    s.output.pop()  # drop the tokens that make up the stop string (not returned)
-                if s.output and len(self.tokenizer.decode(s.output)) > cut:
-                    s.output.pop()
-                self.scheduler.finish(s, "stop")
-                done.append(s)
-        return done
+    def _text(self, s: Sequence) -> bool:
+        """Detokenise s's new tokens and match its stop strings; True if one ended it now."""
+        if s.detok is None:
+            return False
+        try:
+            new_from = len(s.text)
+            s.text += s.detok.step(s.output)
+            if s.finished:
+                s.text += s.detok.finish(s.output)
+            stops = StopStrings(s.params.stop) if s.params.stop else None
+            cut = stops.find(s.text, new_from) if stops else None
+        except Exception as e:  # this sequence's text alone: it fails, the others go on
+            log.exception("sequence %d: detokenising failed", s.seq_id)
+            s.error = f"sequence {s.seq_id} failed: {type(e).__name__}: {e}"
+            was_running = not s.finished
+            self.scheduler.finish(s, "error")
+            return was_running
+        if cut is None:
+            s.text_hold = 0 if s.finished or stops is None else min(len(s.text), stops.hold)
+            return False
+        # the stop string and what follows are not returned; nor are the tokens that make it up
+        s.text, s.text_hold = s.text[:cut], 0
+        while s.output and len(self.tokenizer.decode(s.output[:-1])) >= cut:
+            s.output.pop()
+        if s.output and len(self.tokenizer.decode(s.output)) > cut:
+            s.output.pop()
+        if s.finished:  # it ended by length or a stop id in the same step: the string wins
+            s.finish_reason = "stop"
+            return False
+        self.scheduler.finish(s, "stop")
+        return True
+
+    def _busy(self, stage: int, rank: int, seconds: float) -> None:
+        k = StageId(stage, rank)
+        self.stats.stage_busy[k] = self.stats.stage_busy.get(k, 0.0) + seconds
+
+    def _keep_events(self, step: int, stage: int, rank: int, events: list) -> None:
+        self.step_events[(step, stage, rank)] = events
+        while len(self.step_events) > EVENT_STEPS_KEPT:
+            del self.step_events[next(iter(self.step_events))]
 
     def _fail(self, e: StageFailure) -> list[Sequence]:
         log.error("%s; failing the started requests and restarting the pipeline", e)
-        failed = self.scheduler.fail_all_started(str(e))
-        self.in_flight = 0
-        self.pipeline.restart()
-        self.finished += failed
+        failed = self.fail_started(str(e))
+        self.restart(str(e))
         return failed
+
+    def fail_started(self, error: str) -> list[Sequence]:
+        """Fail every started request (the workers' state is lost); the waiting ones stay."""
+        failed = self.scheduler.fail_started(error)
+        for s in failed:
+            s.detok = None
+        self.in_flight = 0
+        return failed
+
+    def restart(self, why: str) -> None:
+        """Restart the pipeline (new workers, empty caches). Raises if it cannot."""
+        self.status = ("restarting", why)
+        self.stats.restarts += 1
+        self.pipeline.restart()
+        self.status = ("ok", "")
 
     def run(
         self,
@@ -159,13 +225,13 @@ class Coordinator:
         order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
         seqs: dict[int, Sequence] = {}
         n = 0
-        while len(seqs) < len(prompts) or self.scheduler.has_work or self.in_flight:
+        while len(seqs) < len(prompts) or self.has_work:
             while order and arrivals[order[0]] <= n:
                 i = order.pop(0)
                 seqs[i] = self.add(prompts[i], params[i])
             self.step()
             n += 1
-            if not self.scheduler.has_work and not self.in_flight and order:
+            if not self.has_work and order:
                 n = max(n, arrivals[order[0]])
         return [seqs[i] for i in range(len(prompts))]
 

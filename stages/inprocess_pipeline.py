@@ -17,6 +17,10 @@ class InProcessPipeline:
         self.worker = self.worker_cls(spec)
         self.results: list[StepResult] = []
 
+    @property
+    def cache(self):
+        return self.spec.engine.cache
+
     def send(self, plan: StepPlan) -> None:
         try:
             self.results.append(self.worker.step(plan))

@@ -42,13 +42,17 @@ class SeqWork:
     lookahead: int | None = (
         None  # the prompt token after this (non-final prefill) chunk: MTP row input
     )
+    # cache blocks appended to this sequence's block table before this work runs (the scheduler's
+    # ledger chose them; every stage writes its own cache at the same block ids)
+    blocks: list[int] = field(default_factory=list)
 
 
 @message
 class StepPlan:
     step: int
     work: list[SeqWork]
-    release: list[int] = field(default_factory=list)  # sequences to drop from every cache first
+    release: list[int] = field(default_factory=list)  # finished: drop cache and state, first
+    preempted: list[int] = field(default_factory=list)  # drop the cache only (recomputed later)
 
 
 @message
@@ -61,6 +65,7 @@ class SeqOutput:
         default_factory=list
     )  # per emitted token: {"token", "logprob", "top": [[id, lp]..]}
     prompt_logprobs: list[dict] = field(default_factory=list)
+    error: str | None = None  # this sequence alone failed (e.g. its sampling); the others did not
 
 
 @message

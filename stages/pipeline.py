@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from dist_glm5.stages.engine_config import CacheConfig
 from dist_glm5.stages.messages import StepPlan, StepResult
 
 
@@ -18,6 +19,10 @@ class StageFailure(RuntimeError):
 
 
 class Pipeline(Protocol):
+    """send() and recv() raise StageFailure naming the stage and rank that failed."""
+
+    @property
+    def cache(self) -> CacheConfig: ...  # every worker's cache: the scheduler's ledger mirrors it
     def send(self, plan: StepPlan) -> None: ...
     def recv(self, timeout: float) -> StepResult: ...
     def restart(self) -> None: ...

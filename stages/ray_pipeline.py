@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from dataclasses import replace
 
 import zmq
@@ -35,6 +36,7 @@ from .pipeline import StageFailure
 from .worker import serve
 
 log = logging.getLogger(__name__)
+TIMINGS_KEPT = 1024
 
 
 def free_port(host: str) -> int:
@@ -92,7 +94,10 @@ class RayPipeline:
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.coord_addr = f"tcp://{host}:{port}"
         self.actors, self.refs, self.pg = [], [], None
-        self.timings: list[StepTiming] = []  # per-step busy time of the non-sampling stages
+        # per-step times of the non-sampling stages: the latest few for inspection (bounded), and
+        # those not yet taken by the coordinator (drained every step)
+        self.timings: deque[StepTiming] = deque(maxlen=TIMINGS_KEPT)
+        self._fresh: list[StepTiming] = []
         self._start()
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -229,6 +234,15 @@ class RayPipeline:
         self.sock.close()
         self.ctx.term()
 
+    @property
+    def cache(self):
+        return self.engine.cache
+
+    def take_timings(self) -> list[StepTiming]:
+        """The stage timings that arrived since the last call."""
+        fresh, self._fresh = self._fresh, []
+        return fresh
+
     # ---- traffic -----------------------------------------------------------------------
     def send(self, plan: StepPlan) -> None:
         raw = pack(plan)
@@ -248,6 +262,8 @@ class RayPipeline:
                     return msg
                 if isinstance(msg, StepTiming):
                     self.timings.append(msg)
+                    self._fresh.append(msg)
+                    del self._fresh[:-TIMINGS_KEPT]  # nobody taking them: keep it bounded
                     continue
                 if isinstance(msg, WorkerError):
                     raise self._blame(msg)

@@ -5,6 +5,10 @@ norm, lm_head, the sampler and the MTP layer.
 `StageWorker.step(plan)` is the whole per-step logic, used in-process (tests, single process) or
 inside `serve()` (a process, e.g. a Ray actor): control messages arrive over zmq, hidden states
 over torch.distributed.
+
+The cache is storage plus the block tables the plans send: the scheduler's ledger decides which
+blocks a sequence holds; a worker never allocates. A sampling failure of one sequence is reported
+in its SeqOutput and fails that sequence alone.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.checkpoint.shards import ShardedCheckpoint, is_sharded
 from dist_glm5.model.config import ModelConfig
-from dist_glm5.model.kv_cache import Chunk
+from dist_glm5.model.kv_cache import Chunk, PagedKVCache
 from dist_glm5.obs import profiler
 from dist_glm5.obs.peak_rss import peak_rss_mb
 from dist_glm5.obs.profiler import PROF
@@ -101,7 +105,14 @@ class StageWorker:
         PROF.enabled = eng.profile
         if eng.profile:  # hooks from outside the model, after tensor parallelism set its reduces
             profiler.install(self.model)
-        self.cache = self.model.new_cache(eng.cache.blocks, eng.cache.block_size)
+        self.cache = PagedKVCache(
+            cfg,
+            self.model.cache_layers,
+            eng.cache.blocks,
+            eng.cache.block_size,
+            dtype=self.model.dtype,
+            allocate=False,  # tables come with the plans
+        )
         self.seqs: dict[int, SeqState] = {}
         self.eos = tuple(cfg.eos_token_id)
         self.busy = 0.0
@@ -127,6 +138,10 @@ class StageWorker:
         for sid in plan.release:
             self.cache.release(sid)
             self.seqs.pop(sid, None)
+        for sid in plan.preempted:  # its KV is recomputed later; sampling state (RNG) stays
+            self.cache.release(sid)
+        for w in plan.work:
+            self.cache.assign(w.seq_id, w.blocks)
         if not plan.work:
             return (
                 StepResult(plan.step, [], [StageTime(self.spec.stage, self.spec.rank, 0.0)])
@@ -171,37 +186,12 @@ class StageWorker:
         hn = m.final_norm(h)
         outputs, mtp_chunks, mtp_rows, mtp_next, mtp_seqs = [], [], [], [], []
         for w, (a, b) in zip(plan.work, batch.spans):
-            st = self._state(w)
-            p = st.params
-            out = SeqOutput(w.seq_id, [])
-            if w.prompt_logprobs_from is not None and p.prompt_logprobs is not None:
-                lg = m.logits(hn[a:b])
-                nxt = w.tokens[1:] + ([w.lookahead] if w.lookahead is not None else [])
-                for i, tok in enumerate(nxt):
-                    if w.start + i + 1 >= w.prompt_logprobs_from:
-                        out.prompt_logprobs.append(token_logprobs(lg[i], tok, p.prompt_logprobs))
-            emitted, rejected = [], False
-            if w.sample:
-                if w.draft is None:
-                    lg = m.logits(hn[b - 1 : b])[0]
-                    tok = sample_one(process_logits(lg, p, st.history, self.eos), p, st.gen)
-                    emitted, rows = [tok], [lg]
-                else:
-                    lg = m.logits(hn[b - 2 : b])
-                    pr = target_probs(process_logits(lg[0], p, st.history, self.eos), p)
-                    ok, repl = verify_draft(pr, st.draft_q, w.draft, p.greedy, st.gen)
-                    out.accepted = int(ok)
-                    if ok:
-                        bonus = sample_one(
-                            process_logits(lg[1], p, st.history + [w.draft], self.eos), p, st.gen
-                        )
-                        emitted, rows = [w.draft, bonus], [lg[0], lg[1]]
-                    else:
-                        emitted, rows, rejected = [repl], [lg[0]], True
-                if p.logprobs is not None:
-                    out.logprobs = [token_logprobs(r, t, p.logprobs) for r, t in zip(rows, emitted)]
-                st.history.extend(emitted)
-                out.tokens = emitted
+            try:
+                out, emitted, rejected, st = self._sample_one(w, hn, a, b)
+            except Exception as e:  # this sequence's own failure (a bad value): it alone fails
+                log.warning("%s: sequence %d failed in sampling: %s", self.spec.id, w.seq_id, e)
+                outputs.append(SeqOutput(w.seq_id, [], error=f"{type(e).__name__}: {e}"))
+                continue
             outputs.append(out)
             if m.has_mtp:
                 n_valid = len(w.tokens) - int(rejected)
@@ -224,6 +214,43 @@ class StageWorker:
                         out.seq_id, st, m.mtp_logits(hm[e - 1 : e])[0]
                     )
         return outputs
+
+    def _sample_one(self, w: SeqWork, hn: torch.Tensor, a: int, b: int):
+        """One sequence's rows [a, b) of the normed hidden: its prompt logprobs, its sampled
+        token(s) or draft verification -> (output, emitted, draft rejected, state)."""
+        m = self.model
+        st = self._state(w)
+        p = st.params
+        out = SeqOutput(w.seq_id, [])
+        if w.prompt_logprobs_from is not None and p.prompt_logprobs is not None:
+            lg = m.logits(hn[a:b])
+            nxt = w.tokens[1:] + ([w.lookahead] if w.lookahead is not None else [])
+            for i, tok in enumerate(nxt):
+                if w.start + i + 1 >= w.prompt_logprobs_from:
+                    out.prompt_logprobs.append(token_logprobs(lg[i], tok, p.prompt_logprobs))
+        emitted, rejected = [], False
+        if w.sample:
+            if w.draft is None:
+                lg = m.logits(hn[b - 1 : b])[0]
+                tok = sample_one(process_logits(lg, p, st.history, self.eos), p, st.gen)
+                emitted, rows = [tok], [lg]
+            else:
+                lg = m.logits(hn[b - 2 : b])
+                pr = target_probs(process_logits(lg[0], p, st.history, self.eos), p)
+                ok, repl = verify_draft(pr, st.draft_q, w.draft, p.greedy, st.gen)
+                out.accepted = int(ok)
+                if ok:
+                    bonus = sample_one(
+                        process_logits(lg[1], p, st.history + [w.draft], self.eos), p, st.gen
+                    )
+                    emitted, rows = [w.draft, bonus], [lg[0], lg[1]]
+                else:
+                    emitted, rows, rejected = [repl], [lg[0]], True
+            if p.logprobs is not None:
+                out.logprobs = [token_logprobs(r, t, p.logprobs) for r, t in zip(rows, emitted)]
+            st.history.extend(emitted)
+            out.tokens = emitted
+        return out, emitted, rejected, st
 
     def propose(
         self, seq_id: int, st: SeqState, mtp_logits: torch.Tensor

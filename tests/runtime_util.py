@@ -17,11 +17,13 @@ def prompts(lengths, seed=0, vocab=256):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def coordinator(model_dir, mtp=False, worker_cls=None, dtype=None, **sched) -> Coordinator:
+def coordinator(
+    model_dir, mtp=False, worker_cls=None, dtype=None, cache=None, **sched
+) -> Coordinator:
     cfg = ModelConfig.from_hf(model_dir)
     engine = EngineConfig(
         str(model_dir),
-        cache=CacheConfig(128),
+        cache=cache or CacheConfig(128),
         scheduler=SchedulerConfig(**{"chunk_tokens": 64, **sched}),
         mtp=mtp,
         dtype=dtype,

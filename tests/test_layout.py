@@ -104,6 +104,14 @@ def test_control_plane_imports_no_torch():
         sys.meta_path.insert(0, Block())
         import dist_glm5.stages.scheduler, dist_glm5.stages.coordinator, dist_glm5.stages.messages
         import dist_glm5.stages.pipeline, dist_glm5.sampling.params, dist_glm5.stages.engine_config
+        import dist_glm5.stages.metrics, dist_glm5.model.block_manager
+        import dist_glm5.checkpoint.detokenizer, dist_glm5.checkpoint.tokenizer
+        from dist_glm5.stages.scheduler import Scheduler, SchedulerConfig, Sequence
+        from dist_glm5.sampling.params import SamplingParams
+        s = Scheduler(SchedulerConfig(), (0,), num_blocks=4, block_size=16)
+        s.add(Sequence(0, [1, 2, 3], SamplingParams(max_tokens=4)))  # a request, planned
+        assert s.next_plan(0).work[0].blocks == [0]
+        assert "torch" not in sys.modules
         print("ok")
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -42,7 +42,7 @@ def want(default_model):
     return [g.token_ids for g in generate(default_model, PROMPTS, GREEDY)]
 
 
-def serve(model_dir, stages, tp, ep, mtp=False, dsa=None, **kw):
+def serve(model_dir, stages, tp, ep, mtp=False, dsa=None, max_seqs=64, **kw):
     from dist_glm5.stages.ray_pipeline import RayPipeline
 
     cfg = ModelConfig.from_hf(model_dir)
@@ -50,7 +50,7 @@ def serve(model_dir, stages, tp, ep, mtp=False, dsa=None, **kw):
         str(model_dir),
         Layout(stages, tp, ep),
         CacheConfig(64),
-        SchedulerConfig(chunk_tokens=48),
+        SchedulerConfig(chunk_tokens=48, max_seqs=max_seqs),
         dsa or DSAConfig(),
         mtp=mtp,
         **kw,
@@ -163,20 +163,18 @@ def test_mxfp4_checkpoint_through_two_stages(cluster, default_model_dir, tmp_pat
     assert served_outputs(sh, 2, 2, 2, mtp=True) == want
 
 
-def test_a_stage_that_raises_fails_requests_naming_it_then_serves_again(
+def test_a_stage_that_raises_fails_started_requests_naming_it_waiting_ones_complete(
     cluster, default_model_dir, want
 ):
-    c = serve(default_model_dir, 2, 1, 1)
+    c = serve(default_model_dir, 2, 1, 1, max_seqs=1)  # one runs, the other waits
     try:
-        long = prompts([64 * 64 + 10], seed=3)[0]  # more than the 64-block cache: the workers raise
-        s = c.run([long], GREEDY)[0]  # bounded by the coordinator's own step timeout
-        # both stages run out of cache on the same step; whichever reports first is named
-        assert (
-            s.finish_reason == "error"
-            and re.search(r"stage [01] rank 0", s.error)
-            and "CacheFullError" in s.error
-        )
-        assert [x.output for x in c.run(PROMPTS[:2], GREEDY)] == want[:2]  # restarted, serving
+        # a block id beyond every worker's cache: the first request's plan makes them raise
+        c.scheduler.block_manager.free.append(10**6)
+        s, waiting = c.run(PROMPTS[:2], GREEDY)  # bounded by the coordinator's step timeout
+        # both stages raise on the same plan; whichever reports first is named
+        assert s.finish_reason == "error" and re.search(r"stage [01] rank 0", s.error), s.error
+        assert "outside" in s.error and c.stats.restarts == 1
+        assert waiting.output == want[1]  # queued through the restart, then served
     finally:
         c.close()
 

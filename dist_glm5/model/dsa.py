@@ -13,6 +13,9 @@
   so no gather exceeds `gather_cap_bytes` and no [queries, context] score matrix is materialised at
   once.
 - Every gather goes through `capped_chunks`: calls of at most `gather_cap_bytes` each.
+- Keys are addressed through the sequence's block table (`KeySlots`): a contiguous range of keys is
+  gathered by whole blocks (ranges then start on a block and span whole blocks, so the rows
+  materialised stay within the cap), a selection (top-k, a union) by the slots of its positions.
 A fully masked row cannot occur (a query always keeps at least itself), and padded rows of a batch
 repeat a real query, so no row computes 0/0.
 """
@@ -25,6 +28,7 @@ import torch
 
 from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.model.indexer import index_scores
+from dist_glm5.model.kv_cache import KeySlots
 from dist_glm5.ops.topk import select_topk_bisect
 
 GIB = 1 << 30
@@ -53,22 +57,48 @@ def gather_rows(store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return store[slots]
 
 
+def key_ranges(n: int, per: int, block_size: int) -> list[tuple[int, int, bool]]:
+    """Split a sequence's n keys into ranges of at most `per` rows, as (a, b, by_blocks).
+
+    by_blocks: the range is read by whole blocks (one index per block, no per-position slots;
+    its last block may be partial and is still read whole within `per` rows). That holds for one
+    range whose blocks fit `per`, and for every range once `per` is rounded down to whole blocks;
+    a budget under one block reads slot by slot."""
+    whole = -(-n // block_size) * block_size
+    if per >= n:
+        return [(0, n, whole <= per)] if n else []
+    if per < block_size:
+        return [(a, min(n, a + per), False) for a in range(0, n, per)]
+    per -= per % block_size
+    return [(a, min(n, a + per), True) for a in range(0, n, per)]
+
+
+def gather_keys(store: torch.Tensor, keys: KeySlots, a: int, b: int, by_blocks: bool):
+    """Rows [b - a, D] of key positions a..b-1 (a range from `key_ranges`)."""
+    if not by_blocks:
+        return gather_rows(store, keys.range(a, b))
+    bs, D = keys.block_size, store.shape[1]
+    blocks = keys.table[a // bs : -(-b // bs)]
+    if GATHER_LOG is not None:
+        GATHER_LOG.append(blocks.numel() * bs * D * store.element_size())
+    return store.view(-1, bs, D)[blocks].view(-1, D)[: b - a]
+
+
 def index_scores_capped(
     q: torch.Tensor,
     w: torch.Tensor,
     idx_store: torch.Tensor,
-    slots: torch.Tensor,
+    keys: KeySlots,
     head_dim: int,
     cap: int,
 ) -> torch.Tensor:
-    """q [n, Hi, D], w [n, Hi] fp32, slots [L] -> scores [n, L] fp32, keys gathered in capped
-    chunks."""
-    n, L = q.shape[0], slots.shape[0]
+    """q [n, Hi, D], w [n, Hi] fp32, keys of L positions -> scores [n, L] fp32, keys gathered in
+    capped chunks."""
+    n, L = q.shape[0], len(keys)
     out = torch.empty(n, L, dtype=torch.float32)
-    for a, b in index_key_chunks(
-        n, q.shape[1], L, idx_store.shape[1] * idx_store.element_size(), cap
-    ):
-        out[:, a:b] = index_scores(q, w, gather_rows(idx_store, slots[a:b]), head_dim)
+    per = index_key_rows(n, q.shape[1], idx_store.shape[1] * idx_store.element_size(), cap)
+    for a, b, by_blocks in key_ranges(L, per, keys.block_size):
+        out[:, a:b] = index_scores(q, w, gather_keys(idx_store, keys, a, b, by_blocks), head_dim)
     return out
 
 
@@ -83,8 +113,11 @@ def attn_key_chunks(
 ) -> list[tuple[int, int]]:
     """Key chunks for n queries x heads: the gather ([chunk, width] stored), its fp32 copy and the
     [n, heads, chunk] fp32 scores and probabilities each stay under the cap."""
-    per_key = max(width * max(itemsize, 4), n * heads * 4)
-    return capped_chunks(K, per_key, cap)
+    return capped_chunks(K, attn_key_bytes(n, heads, width, itemsize), cap)
+
+
+def attn_key_bytes(n: int, heads: int, width: int, itemsize: int) -> int:
+    return max(width * max(itemsize, 4), n * heads * 4)
 
 
 def decode_row_bytes(k: int, heads: int, width: int, itemsize: int) -> int:
@@ -96,15 +129,19 @@ def decode_row_bytes(k: int, heads: int, width: int, itemsize: int) -> int:
 def index_key_chunks(n: int, heads: int, L: int, row_bytes: int, cap: int) -> list[tuple[int, int]]:
     """Key chunks for scoring n query rows: the gather and the [n, heads, chunk] fp32 buffer both
     under the cap."""
-    per = max(1, min(cap // row_bytes, cap // max(1, n * heads * 4)))
+    per = index_key_rows(n, heads, row_bytes, cap)
     return [(a, min(L, a + per)) for a in range(0, L, per)]
+
+
+def index_key_rows(n: int, heads: int, row_bytes: int, cap: int) -> int:
+    return max(1, min(cap // row_bytes, cap // max(1, n * heads * 4)))
 
 
 def select(
     q: torch.Tensor,
     w: torch.Tensor,
     idx_store: torch.Tensor,
-    slots: torch.Tensor,
+    keys: KeySlots,
     q_pos: torch.Tensor,
     topk: int,
     head_dim: int,
@@ -112,12 +149,12 @@ def select(
     row_split: tuple[int, int, Callable] | None = None,
     select_topk: Callable = select_topk_bisect,
 ) -> torch.Tensor:
-    """Keep-mask [n, L] for n query rows over the L keys at `slots` (exact top-k by
+    """Keep-mask [n, L] for n query rows over the sequence's L keys (exact top-k by
     `select_topk`, the backend's choice; capped gathers).
 
     row_split = (rank, ranks, all_gather_packed): each rank scores its share of the rows and the
     ranks exchange bit-packed masks, so every rank ends with all rows' selections."""
-    n, L = q.shape[0], slots.shape[0]
+    n, L = q.shape[0], len(keys)
     rows = range(n)
     if row_split is not None:
         rank, ranks, exchange = row_split
@@ -127,7 +164,7 @@ def select(
     step = score_rows(cfg, L)
     for a in range(rows.start, rows.stop, step):
         b = min(rows.stop, a + step)
-        s = index_scores_capped(q[a:b], w[a:b], idx_store, slots, head_dim, cfg.gather_cap_bytes)
+        s = index_scores_capped(q[a:b], w[a:b], idx_store, keys, head_dim, cfg.gather_cap_bytes)
         keep[a - rows.start : b - rows.start] = select_topk(s, q_pos[a:b], topk)
     if row_split is not None:
         keep = exchange(keep, n, L)
@@ -138,7 +175,7 @@ def attend_absorbed_chunked(
     q_lat: torch.Tensor,
     q_rot: torch.Tensor,
     kv_store: torch.Tensor,
-    slots: torch.Tensor,
+    keys: KeySlots | torch.Tensor,
     mask: torch.Tensor,
     kv_lora: int,
     scale: float,
@@ -146,16 +183,30 @@ def attend_absorbed_chunked(
 ) -> torch.Tensor:
     """Absorbed MLA over candidate keys, online softmax across capped key chunks.
 
-    q_lat [n, h, c] (q_nope folded through W_uk), q_rot [n, h, r], slots [K] candidate key slots,
-    mask [n, K] bool (at least one True per row) -> latent output [n, h, c] fp32."""
+    q_lat [n, h, c] (q_nope folded through W_uk), q_rot [n, h, r]; keys: every key of the
+    sequence (KeySlots, gathered by blocks) or K candidate slots [K]; mask [n, K] bool (at least
+    one True per row) -> latent output [n, h, c] fp32."""
     n, h, c = q_lat.shape
     m = torch.full((n, h), float("-inf"))
     den = torch.zeros(n, h)
     acc = torch.zeros(n, h, c)
-    for a, b in attn_key_chunks(
-        n, h, slots.shape[0], kv_store.shape[1], kv_store.element_size(), cap
-    ):
-        rows = gather_rows(kv_store, slots[a:b]).float()  # [k, c + r]
+    if isinstance(keys, KeySlots):  # every key of the sequence: read by blocks
+        row_bytes = attn_key_bytes(n, h, kv_store.shape[1], kv_store.element_size())
+        capped_chunks(1, row_bytes, cap)  # raises when one key is over the cap
+        ranges = key_ranges(len(keys), max(1, cap // row_bytes), keys.block_size)
+    else:
+        ranges = [
+            (a, b, False)
+            for a, b in attn_key_chunks(
+                n, h, len(keys), kv_store.shape[1], kv_store.element_size(), cap
+            )
+        ]
+    for a, b, by_blocks in ranges:
+        if isinstance(keys, KeySlots):
+            rows = gather_keys(kv_store, keys, a, b, by_blocks)
+        else:
+            rows = gather_rows(kv_store, keys[a:b])
+        rows = rows.float()  # [k, c + r]
         lat, kr = rows[:, :kv_lora], rows[:, kv_lora:]
         s = (
             torch.einsum("nhc,kc->nhk", q_lat.float(), lat)
@@ -205,9 +256,7 @@ def attend_gathered(
     return out
 
 
-def selected_slots(
-    keep: torch.Tensor, slots: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def selected_slots(keep: torch.Tensor, keys: KeySlots, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """keep [n, L] (<= k True per row) -> (slots [n, k], valid [n, k]); padding repeats the row's
     first pick."""
     n, L = keep.shape
@@ -216,14 +265,14 @@ def selected_slots(
     idx = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[:, :k]
     valid = torch.gather(keep, 1, idx)
     idx = torch.where(valid, idx, idx[:, :1])
-    return slots[idx], valid
+    return keys.at(idx), valid
 
 
 def sparse_prefill(
     q_lat: torch.Tensor,
     q_rot: torch.Tensor,
     kv_store: torch.Tensor,
-    slots: torch.Tensor,
+    keys: KeySlots,
     keep: torch.Tensor,
     kv_lora: int,
     scale: float,
@@ -237,20 +286,20 @@ def sparse_prefill(
         win = keep[a:b]
         if L <= cfg.dense_threshold:
             out[a:b] = attend_absorbed_chunked(
-                q_lat[a:b], q_rot[a:b], kv_store, slots, win, kv_lora, scale, cfg.gather_cap_bytes
+                q_lat[a:b], q_rot[a:b], kv_store, keys, win, kv_lora, scale, cfg.gather_cap_bytes
             )
             continue
         union = win.any(0).nonzero().squeeze(1)  # [U] key indices, ascending
         if union.numel() > cfg.union_max_frac * L:
             out[a:b] = attend_absorbed_chunked(
-                q_lat[a:b], q_rot[a:b], kv_store, slots, win, kv_lora, scale, cfg.gather_cap_bytes
+                q_lat[a:b], q_rot[a:b], kv_store, keys, win, kv_lora, scale, cfg.gather_cap_bytes
             )
         else:
             out[a:b] = attend_absorbed_chunked(
                 q_lat[a:b],
                 q_rot[a:b],
                 kv_store,
-                slots[union],
+                keys.at(union),
                 win[:, union],
                 kv_lora,
                 scale,

@@ -2,8 +2,15 @@
 
 Per layer it holds, for every token slot, the MLA cache row [normalised latent | roped shared key]
 (kv_lora_rank + qk_rope_head_dim values) and, for layers that run an indexer, the indexer key
-(index_head_dim values). Storage is flat [num_blocks * block_size, D] so a gather is one
-index_select over slot ids; slot = block_table[pos // block_size] * block_size + pos % block_size.
+(index_head_dim values). Storage is flat [num_blocks * block_size, D];
+slot = block_table[pos // block_size] * block_size + pos % block_size.
+
+A worker's cache is storage plus the block tables it is sent (the scheduler's ledger decides, see
+block_manager.py). A standalone cache (tests, the single-process loop) allocates for itself.
+
+Per-step metadata is O(batch + new tokens): each chunk gets its sequence's block table (a view of
+a table kept between steps, grown by the blocks a plan sends) and its length, never a list of
+every position's slot. Attention gathers from the tables (`KeySlots`).
 """
 
 from __future__ import annotations
@@ -12,46 +19,57 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dist_glm5.model.block_manager import BlockManager, CacheFullError
 from dist_glm5.model.config import ModelConfig
 
-
-class CacheFullError(RuntimeError):
-    """No free blocks left: the request does not fit the planned cache."""
+__all__ = ["CacheFullError", "Chunk", "ForwardBatch", "KeySlots", "PagedKVCache"]
 
 
-class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(
-                f"cache needs num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}"
-            )
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self.tables: dict[int, list[int]] = {}
+@dataclass(frozen=True)
+class KeySlots:
+    """Where one sequence's key positions 0..length-1 live: its block table and length.
 
-    def ensure(self, seq_id: int, length: int) -> list[int]:
-        """Grow `seq_id`'s block table to hold `length` tokens."""
-        table = self.tables.setdefault(seq_id, [])
-        need = -(-length // self.block_size) - len(table)
-        if need > len(self.free):
-            raise CacheFullError(
-                f"sequence {seq_id} needs {need} more cache blocks for {length} tokens, "
-                f"{len(self.free)} free of {self.num_blocks}: lower the context or batch, or plan "
-                "a larger cache"
-            )
-        for _ in range(max(need, 0)):
-            table.append(self.free.pop())
-        return table
+    Slots are computed for the positions a gather touches; a contiguous range is gathered by
+    whole blocks (see `dsa.gather_keys`)."""
 
-    def release(self, seq_id: int) -> None:
-        for b in reversed(self.tables.pop(seq_id, [])):
-            self.free.append(b)
+    table: torch.Tensor  # [blocks] int64, covering at least `length` positions
+    block_size: int
+    length: int
 
-    def slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
-        # positions: [n] int64 -> flat slot ids [n]
-        table = torch.tensor(self.tables[seq_id], dtype=torch.int64)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+    def __len__(self) -> int:
+        return self.length
+
+    def at(self, pos: torch.Tensor) -> torch.Tensor:
+        """Slots of key positions `pos` (any shape, int64)."""
+        bs = self.block_size
+        return self.table[pos // bs] * bs + pos % bs
+
+    def range(self, a: int, b: int) -> torch.Tensor:
+        return self.at(torch.arange(a, b, dtype=torch.int64))
+
+    @property
+    def first(self) -> int:
+        """The slot of position 0 (always written: padding repeats it)."""
+        return int(self.table[0]) * self.block_size
+
+
+class _Table:
+    """A sequence's block table as a growing int64 tensor (capacity doubles: appends are O(new))."""
+
+    def __init__(self) -> None:
+        self.t = torch.empty(8, dtype=torch.int64)
+        self.n = 0
+
+    def extend(self, blocks: list[int]) -> None:
+        if self.n + len(blocks) > self.t.shape[0]:
+            grown = torch.empty(max(2 * self.t.shape[0], self.n + len(blocks)), dtype=torch.int64)
+            grown[: self.n] = self.t[: self.n]
+            self.t = grown
+        self.t[self.n : self.n + len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        self.n += len(blocks)
+
+    def view(self) -> torch.Tensor:
+        return self.t[: self.n]
 
 
 @dataclass(frozen=True)
@@ -85,7 +103,21 @@ class AttnGroup:
     tok: torch.Tensor  # [B, n] index into the forward's T tokens
     valid: torch.Tensor  # [B, n] real query rows
     q_pos: torch.Tensor  # [B, n] absolute query positions
-    slots: torch.Tensor  # [B, L] cache slots of key positions 0..L-1
+    keys: list[KeySlots]  # per chunk, its key positions 0..end-1
+    _slots: torch.Tensor | None = None
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """[B, L] slots of every key position, padded: the dense reference's gather (it reads
+        every key anyway). Built on first use, once per forward."""
+        if self._slots is None:
+            L = max(len(k) for k in self.keys)
+            s = torch.empty(len(self.keys), L, dtype=torch.int64)
+            for r, k in enumerate(self.keys):
+                s[r] = k.first
+                s[r, : len(k)] = k.range(0, len(k))
+            self._slots = s
+        return self._slots
 
 
 @dataclass
@@ -95,7 +127,7 @@ class ForwardBatch:
     chunks: list[Chunk]
     positions: torch.Tensor  # [T] int64
     write_slots: torch.Tensor  # [T] slots the new tokens are written to
-    read_slots: list[torch.Tensor]  # per chunk [end] slots of positions 0..end-1
+    keys: list[KeySlots]  # per chunk: its key positions 0..end-1
     spans: list[tuple[int, int]] = field(default_factory=list)  # per chunk token range in [T]
     groups: list[AttnGroup] = field(default_factory=list)
 
@@ -112,8 +144,12 @@ class PagedKVCache:
         num_blocks: int,
         block_size: int = 64,
         dtype: torch.dtype = torch.float32,
+        allocate: bool = True,
     ):
-        self.alloc = BlockAllocator(num_blocks, block_size)
+        """allocate: a standalone cache that grows tables itself in prepare(); a worker's cache
+        (allocate=False) only holds the tables its plans send (`assign`)."""
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.ledger = BlockManager(num_blocks, block_size) if allocate else None
         n = num_blocks * block_size
         # empty, not zeros: only written slots are ever read (padding repeats a written slot), and
         # untouched pages of a long-context cache then cost no memory until used
@@ -121,38 +157,54 @@ class PagedKVCache:
         self.index_k = {
             l: torch.empty(n, cfg.index_head_dim, dtype=dtype) for l in layers if cfg.has_indexer(l)
         }
-        self.lengths: dict[int, int] = {}
+        self.tables: dict[int, _Table] = {}
 
-    @property
-    def block_size(self) -> int:
-        return self.alloc.block_size
+    def assign(self, seq_id: int, blocks: list[int]) -> None:
+        """Append `blocks` (ids the scheduler gave this sequence) to its table."""
+        if not blocks:
+            return
+        bad = [b for b in blocks if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(
+                f"sequence {seq_id} was sent cache blocks {bad[:5]} outside "
+                f"0..{self.num_blocks - 1}: the coordinator and the workers disagree on the cache"
+            )
+        self.tables.setdefault(seq_id, _Table()).extend(blocks)
 
     def prepare(self, chunks: list[Chunk]) -> ForwardBatch:
-        """Reserve room for every chunk and compute its slots."""
-        pos, write, read, spans, t = [], [], [], [], 0
+        """The forward's metadata: positions, write slots, each chunk's block table and length."""
+        pos, write, keys, spans, t = [], [], [], [], 0
         for c in chunks:
             if c.length <= 0:
                 raise ValueError(f"chunk for sequence {c.seq_id} has no tokens")
-            self.alloc.ensure(c.seq_id, c.end)
+            if self.ledger is not None:
+                self.assign(c.seq_id, self.ledger.grow(c.seq_id, c.end))
+            table = self.tables.get(c.seq_id)
+            if table is None or table.n * self.block_size < c.end:
+                have = 0 if table is None else table.n * self.block_size
+                raise ValueError(
+                    f"sequence {c.seq_id} writes positions up to {c.end - 1} but its block table "
+                    f"covers {have}: the plan did not send its blocks"
+                )
+            k = KeySlots(table.view(), self.block_size, c.end)
             p = torch.arange(c.start, c.end, dtype=torch.int64)
             pos.append(p)
-            write.append(self.alloc.slots(c.seq_id, p))
-            read.append(self.alloc.slots(c.seq_id, torch.arange(c.end, dtype=torch.int64)))
+            write.append(k.at(p))
+            keys.append(k)
             spans.append((t, t + c.length))
             t += c.length
-        for c in chunks:  # a rejected draft rolls back simply by starting the next chunk earlier
-            self.lengths[c.seq_id] = c.end
         return ForwardBatch(
-            chunks, torch.cat(pos), torch.cat(write), read, spans, make_groups(chunks, read, spans)
+            chunks, torch.cat(pos), torch.cat(write), keys, spans, make_groups(chunks, keys, spans)
         )
 
     def release(self, seq_id: int) -> None:
-        self.alloc.release(seq_id)
-        self.lengths.pop(seq_id, None)
+        self.tables.pop(seq_id, None)
+        if self.ledger is not None:
+            self.ledger.release(seq_id)
 
 
 def make_groups(
-    chunks: list[Chunk], read: list[torch.Tensor], spans: list[tuple[int, int]]
+    chunks: list[Chunk], keys: list[KeySlots], spans: list[tuple[int, int]]
 ) -> list[AttnGroup]:
     small = [i for i, c in enumerate(chunks) if c.length <= SMALL_CHUNK]
     groups = [[i] for i, c in enumerate(chunks) if c.length > SMALL_CHUNK]
@@ -161,19 +213,15 @@ def make_groups(
     out = []
     for ids in groups:
         n = max(chunks[i].length for i in ids)
-        L = max(chunks[i].end for i in ids)
         tok = torch.empty(len(ids), n, dtype=torch.int64)
         q_pos = torch.empty(len(ids), n, dtype=torch.int64)
-        slots = torch.empty(len(ids), L, dtype=torch.int64)
         valid = torch.zeros(len(ids), n, dtype=torch.bool)
         for r, i in enumerate(ids):
-            c, (a, b), rs = chunks[i], spans[i], read[i]
+            c, (a, b) = chunks[i], spans[i]
             tok[r] = a
             tok[r, : c.length] = torch.arange(a, b)
             q_pos[r] = c.start
             q_pos[r, : c.length] = torch.arange(c.start, c.end)
             valid[r, : c.length] = True
-            slots[r] = rs[0]
-            slots[r, : c.end] = rs
-        out.append(AttnGroup(ids, tok, valid, q_pos, slots))
+        out.append(AttnGroup(ids, tok, valid, q_pos, [keys[i] for i in ids]))
     return out

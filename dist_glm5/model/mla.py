@@ -184,13 +184,13 @@ class MLA(nn.Module):
         scores = index_scores(iq, iw, keys, self.indexer.head_dim)
         return select_topk_reference(scores, q_pos, self.topk)
 
-    def select_sparse(self, iq, iw, idx_store, slots, q_pos):
-        # one sequence's rows: iq [n, hi, d], iw [n, hi], its key slots [L] -> keep [n, L] bool
+    def select_sparse(self, iq, iw, idx_store, keys, q_pos):
+        # one sequence's rows: iq [n, hi, d], iw [n, hi], its L keys (KeySlots) -> keep [n, L] bool
         return dsa.select(
             iq,
             iw,
             idx_store,
-            slots,
+            keys,
             q_pos,
             self.topk,
             self.indexer.head_dim,
@@ -214,23 +214,22 @@ class MLA(nn.Module):
             for bi in range(g.tok.shape[0]):
                 toks = g.tok[bi][g.valid[bi]]
                 qpos = g.q_pos[bi][g.valid[bi]]
-                L = int(qpos.max()) + 1
-                slots = g.slots[bi, :L]
+                keys = g.keys[bi]  # positions 0..end-1 of this chunk's sequence
                 if self.indexer is not None:
-                    keep = self.select_sparse(iq[toks], iw[toks], idx_store, slots, qpos)
+                    keep = self.select_sparse(iq[toks], iw[toks], idx_store, keys, qpos)
                 else:
                     keep = prev_keep[gi][bi]
                 gkeep.append(keep)
                 q_lat = torch.einsum("nhd,hdc->nhc", q_nope[toks], w_uk)
                 if small:  # decode: gather exactly each row's selected keys
-                    s_, ok = dsa.selected_slots(keep, slots, self.topk)
+                    s_, ok = dsa.selected_slots(keep, keys, self.topk)
                     pad = self.topk - s_.shape[1]
-                    sel.append(torch.nn.functional.pad(s_, (0, pad), value=int(slots[0])))
+                    sel.append(torch.nn.functional.pad(s_, (0, pad), value=keys.first))
                     sel_ok.append(torch.nn.functional.pad(ok, (0, pad), value=False))
                     toks_all.append((toks, q_lat))
                 else:
                     o_lat = dsa.sparse_prefill(
-                        q_lat, q_rot[toks], kv_store, slots, keep, c, self.scale, self.dsa
+                        q_lat, q_rot[toks], kv_store, keys, keep, c, self.scale, self.dsa
                     )
                     out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(x.dtype), w_uv)
             if small:

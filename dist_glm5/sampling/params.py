@@ -5,6 +5,7 @@ Validated on construction: a bad value names the field and what is allowed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -27,9 +28,24 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name}={getattr(self, name)!r} {why}")
+            v = repr(getattr(self, name))
+            return ValueError(f"{name}={v if len(v) <= 60 else v[:57] + '...'} {why}")
 
-        if not (self.temperature >= 0):
+        # types first: a value of the wrong type must never reach the engine's math
+        for name in ("temperature", "top_p", "min_p"):
+            v = getattr(self, name)
+            if not _is_finite(v):
+                raise bad(name, "must be a finite number")
+            object.__setattr__(self, name, float(v))
+        for name in ("top_k", "max_tokens", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise bad(name, "must be an integer")
+        for name in ("seed", "logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not _is_int(getattr(self, name)):
+                raise bad(name, "must be an integer or null")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be true or false")
+        if not self.temperature >= 0:
             raise bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
@@ -41,18 +57,35 @@ class SamplingParams:
             raise bad("max_tokens", "must be >= 0")
         if not 0 <= self.min_tokens:
             raise bad("min_tokens", "must be >= 0")
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
+            raise bad("seed", "must be in [-2**63, 2**64)")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not 0 <= v <= 20:
                 raise bad(name, "must be between 0 and 20")
-        if any(len(w) == 0 for w in self.bad_words):
-            raise bad("bad_words", "must not contain an empty word")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _ints(self.stop_token_ids, "stop_token_ids"))
+        if isinstance(self.stop, str) or not _is_seq(self.stop):
+            raise bad("stop", "must be a list of strings")
+        if not all(isinstance(x, str) and x for x in self.stop):
+            raise bad("stop", "must hold non-empty strings only")
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "bad_words", tuple(tuple(w) for w in self.bad_words))
-        object.__setattr__(
-            self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()}
-        )
+        if not _is_seq(self.bad_words) or not all(_is_seq(w) for w in self.bad_words):
+            raise bad("bad_words", "must be a list of token-id lists")
+        words = tuple(_ints(w, "bad_words") for w in self.bad_words)
+        if any(len(w) == 0 for w in words):
+            raise bad("bad_words", "must not contain an empty word")
+        object.__setattr__(self, "bad_words", words)
+        if not isinstance(self.logit_bias, dict):
+            raise bad("logit_bias", "must map token ids to numbers")
+        bias = {}
+        for k, v in self.logit_bias.items():
+            tok = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+            if not _is_int(tok) or not _is_finite(v):
+                raise ValueError(
+                    f"logit_bias entry {k!r}: {v!r} must map a token id to a finite number"
+                )
+            bias[int(tok)] = float(v)
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
@@ -67,3 +100,26 @@ def check_vocab(p: SamplingParams, vocab: int) -> None:
             f"token ids {bad[:5]} in the sampling parameters are outside the vocabulary "
             f"0..{vocab - 1}"
         )
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_finite(v) -> bool:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _is_seq(v) -> bool:
+    return isinstance(v, (list, tuple))
+
+
+def _ints(v, name: str) -> tuple[int, ...]:
+    if not _is_seq(v) or not all(_is_int(t) for t in v):
+        raise ValueError(f"{name}={v!r} must be a list of integer token ids")
+    return tuple(v)
