@@ -15,8 +15,10 @@ def register(p: argparse.ArgumentParser) -> None:
         kernels,
         longctx,
         pipeline,
+        quality,
         roofline,
         serve,
+        train_default,
     )
 
     sub = p.add_subparsers(dest="bench_command", required=True)
@@ -56,6 +58,17 @@ def register(p: argparse.ArgumentParser) -> None:
     pipeline.register(
         sub.add_parser(
             "pipeline", help="per-stage utilisation, 2 vs 1 stages, MTP tokens/step, transfer cost"
+        )
+    )
+    train_default.register(
+        sub.add_parser(
+            "train-default", help="train the shipped default model (resumable; ~80 min on 2 cores)"
+        )
+    )
+    quality.register(
+        sub.add_parser(
+            "quality",
+            help="trained model: bits/byte, MTP acceptance, needles, MXFP4 KL, repeated word",
         )
     )
     generate_vs_hf.register(

@@ -56,9 +56,9 @@ def _isolated_home(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from dist_glm5.checkpoint.default_model import ensure_default_model
+    from dist_glm5.checkpoint.default_model import ensure_random_model
 
-    return ensure_default_model()
+    return ensure_random_model()
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,12 @@
-"""The embedded default model: a small GLM-5-architecture config shipped in the repo.
+"""The embedded default models, both needing no download.
 
-Weights are made deterministically from a seed on first use and cached on disk as an ordinary HF
-checkpoint (per-expert names, config.json, a byte-level tokenizer), so it needs no download.
+- The trained default model (`ensure_default_model`, what `launch generate` runs with no
+  `--model`): a small GLM-5-architecture byte-level model trained by `bench/train_default.py` on
+  the Python standard library and synthetic needle documents (corpus.py), shipped in `trained/`
+  as an ordinary HF checkpoint (bf16 weights, the routers in fp32).
+- The deterministic random model (`ensure_random_model`, for tests that need no trained weights):
+  `config.json` here, weights made from a seed on first use and cached on disk (per-expert names,
+  config.json, a byte-level tokenizer).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dist_glm5.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 CONFIG_PATH = Path(__file__).with_name("config.json")
+TRAINED_DIR = Path(__file__).with_name("trained")
 SEED = 5
 
 
@@ -54,7 +60,16 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 
 
 def ensure_default_model() -> Path:
-    """Directory of the embedded model, created (atomically) on first use."""
+    """Directory of the trained default model shipped in the package (the random model if a
+    source tree has no trained weights)."""
+    if (TRAINED_DIR / "model.safetensors").exists():
+        return TRAINED_DIR
+    log.warning("no trained default model in %s: using the random one", TRAINED_DIR)
+    return ensure_random_model()
+
+
+def ensure_random_model() -> Path:
+    """Directory of the deterministic random model, created (atomically) on first use."""
     raw = CONFIG_PATH.read_bytes()
     tag = hashlib.sha256(raw + str(SEED).encode()).hexdigest()[:12]
     dst = cache_root() / "models" / f"default-{tag}"

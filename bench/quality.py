@@ -1,0 +1,340 @@
+"""`dist-glm5 bench quality`: what the trained default model does, against the seed's gates.
+
+- held-out bits per byte (the frozen stdlib slice in heldout.json), beside named baselines: an
+  order-0 and an order-1 byte model fitted on the training split, and gzip -9 / xz -9e on the
+  same texts;
+- MTP: acceptance on held-out prompts, greedy and at T=0.7, tokens per decode step, decode
+  speed-up with MTP on (one sequence at a time, in process);
+- needles: 3 per prompt at each --needle-lengths, on two fillers (held-out code, the classic
+  pass-key prose), the sparse DSA path through --stages stages vs the reference path (exact
+  masked DSA math, in process) for lengths <= --reference-max;
+- MXFP4 vs BF16 (our converter, quark and OCP rules): per-token KL and top-1 agreement over 6
+  held-out texts x 512 tokens;
+- one word repeated --repeat-count times: what the model continues with.
+Prints a JSON document (and writes it to --output if given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import lzma
+import math
+import random
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+LN2 = math.log(2)
+
+
+def register(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (default: the shipped one)")
+    p.add_argument("--output", default=None, help="also write the JSON here")
+    p.add_argument(
+        "--only",
+        nargs="*",
+        default=["bpb", "mtp", "needles", "mxfp4", "repeat"],
+        help="parts to run (bpb mtp needles mxfp4 repeat)",
+    )
+    p.add_argument("--needle-lengths", type=int, nargs="*", default=[4096, 16384])
+    p.add_argument(
+        "--reference-max", type=int, default=4096, help="longest context for the reference path"
+    )
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages for the sparse path")
+    p.add_argument("--repeat-count", type=int, default=2000)
+    p.add_argument("--mtp-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.set_defaults(func=run)
+
+
+# ---- held-out bits per byte ----------------------------------------------------------------
+def heldout_texts() -> list[bytes]:
+    from dist_glm5.checkpoint.default_model.corpus import frozen_heldout
+
+    return [t["text"].encode() for t in frozen_heldout()]
+
+
+def model_bits_per_byte(model, texts: list[bytes]) -> float:
+    """Mean next-byte cross-entropy over every text (each scored from its first byte), in bits."""
+    from dist_glm5.model.reference_loop import full_logits
+
+    nats, n = 0.0, 0
+    with torch.no_grad():
+        for t in texts:
+            ids = list(t)
+            lo = full_logits(model, ids).float()
+            nats += torch.nn.functional.cross_entropy(
+                lo[:-1], torch.tensor(ids[1:]), reduction="sum"
+            ).item()
+            n += len(ids) - 1
+    return nats / n / LN2
+
+
+def byte_model_bits(texts: list[bytes], order: int) -> float:
+    """An order-0 or order-1 byte model (add-1/2 smoothing) fitted on the training split."""
+    from dist_glm5.checkpoint.default_model.corpus import load_split
+
+    train = b"\n".join(b for _, b in load_split("train"))
+    if order == 0:
+        c = Counter(train)
+        tot = len(train) + 0.5 * 256
+        bits = sum(-math.log2((c[b] + 0.5) / tot) for t in texts for b in t[1:])
+    else:
+        pair = Counter(zip(train, train[1:]))
+        ctx = Counter(train[:-1])
+        bits = sum(
+            -math.log2((pair[(a, b)] + 0.5) / (ctx[a] + 128.0))
+            for t in texts
+            for a, b in zip(t, t[1:])
+        )
+    return bits / sum(len(t) - 1 for t in texts)
+
+
+def bpb(model, texts) -> dict:
+    total = sum(len(t) for t in texts)
+    return {
+        "texts": f"{len(texts)} x {len(texts[0])} bytes (heldout.json, stdlib held-out split)",
+        "model": round(model_bits_per_byte(model, texts), 4),
+        "order0_bytes": round(byte_model_bits(texts, 0), 4),
+        "order1_bytes": round(byte_model_bits(texts, 1), 4),
+        "gzip_9_per_text": round(8 * sum(len(gzip.compress(t, 9)) for t in texts) / total, 4),
+        "xz_9e_per_text": round(
+            8 * sum(len(lzma.compress(t, preset=9 | lzma.PRESET_EXTREME)) for t in texts) / total,
+            4,
+        ),
+        "xz_9e_all_texts_together": round(
+            8 * len(lzma.compress(b"".join(texts), preset=9 | lzma.PRESET_EXTREME)) / total, 4
+        ),
+    }
+
+
+# ---- engines -------------------------------------------------------------------------------
+def engine(model_dir, stages=1, mtp=False, dsa=None, blocks=1024, chunk=256):
+    """A coordinator: in process for one stage, a local two-node Ray cluster otherwise."""
+    from dist_glm5.checkpoint.tokenizer import load_tokenizer
+    from dist_glm5.model.config import ModelConfig
+    from dist_glm5.model.dsa_config import DSAConfig
+    from dist_glm5.stages.coordinator import Coordinator
+    from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout, StageSpec
+    from dist_glm5.stages.scheduler import SchedulerConfig
+
+    cfg = ModelConfig.from_hf(model_dir)
+    eng = EngineConfig(
+        str(model_dir),
+        Layout(stages, 1, 1),
+        CacheConfig(blocks),
+        SchedulerConfig(chunk_tokens=chunk, step_tokens=max(1024, chunk)),
+        dsa or DSAConfig(),
+        mtp=mtp,
+        dtype="float32",
+    )
+    if stages == 1:
+        from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
+
+        pipe = InProcessPipeline(StageSpec(eng))
+    else:
+        from dist_glm5.stages.ray_pipeline import RayPipeline
+
+        pipe = RayPipeline(eng)
+    return Coordinator(
+        pipe, eng.scheduler, cfg.eos_token_id, cfg.vocab_size, load_tokenizer(model_dir)
+    )
+
+
+# ---- MTP -------------------------------------------------------------------------------------
+def mtp_figures(model_dir, texts, n_tokens: int) -> dict:
+    from dist_glm5.sampling.params import SamplingParams
+
+    prompts = [list(t[:384]) for t in texts[:6]]
+    out = {"prompts": f"{len(prompts)} held-out prompts x 384 bytes, {n_tokens} new tokens each"}
+    runs = {}
+    for name, temp in (("greedy", 0.0), ("t0.7", 0.7)):
+        for mtp in (False, True):
+            c = engine(model_dir, mtp=mtp)
+            toks, secs, steps, prop, acc = 0, 0.0, 0, 0, 0
+            outputs = []
+            for i, p in enumerate(prompts):  # one sequence at a time: decode speed, not batching
+                params = SamplingParams(
+                    max_tokens=n_tokens, temperature=temp, seed=i, ignore_eos=True
+                )
+                c.run([p[:64]], SamplingParams(max_tokens=1))  # warm the worker
+                t0 = time.perf_counter()
+                (s,) = c.run([p], params)
+                secs += time.perf_counter() - t0
+                # the first token comes with the last prefill chunk; the rest from decode steps
+                toks += len(s.output) - 1
+                steps += s.steps - math.ceil(len(p) / 256)
+                prop += s.drafts_proposed
+                acc += s.drafts_accepted
+                outputs.append(s.output)
+            c.close()
+            runs[(name, mtp)] = outputs
+            key = f"{name}_{'mtp' if mtp else 'plain'}"
+            out[key] = {
+                "tokens_per_s": round(toks / secs, 1),
+                "tokens_per_step": round(toks / max(1, steps), 3),
+            }
+            if mtp:
+                out[key]["acceptance"] = round(acc / max(1, prop), 3)
+                out[key]["drafts"] = [prop, acc]
+        out[f"{name}_speedup"] = round(
+            out[f"{name}_mtp"]["tokens_per_s"] / out[f"{name}_plain"]["tokens_per_s"], 3
+        )
+    out["greedy_identical_with_mtp"] = runs[("greedy", True)] == runs[("greedy", False)]
+    return out
+
+
+# ---- needles ---------------------------------------------------------------------------------
+def needle_prompts(length: int, filler_kind: str, seed: int):
+    """(prompts, answers): one body with 3 needles, asked 3 times (one needle per prompt)."""
+    from dist_glm5.checkpoint.default_model import corpus
+
+    rng = random.Random(seed)
+    needles = corpus.make_needles(rng, 3)
+    room = length - 40
+    if filler_kind == "code":
+        text = b"\n".join(heldout_texts())
+        filler = (text * (room // len(text) + 1))[:room]
+    else:
+        filler = corpus.prose_filler(rng, room, classic=True)
+    body = corpus.needle_prompt(rng, filler, needles, (0.05, 0.9))
+    return [list(body + b"\n" + nd.query) for nd in needles], [nd.value for nd in needles]
+
+
+def ask(coord, prompts, answers) -> dict:
+    from dist_glm5.sampling.params import SamplingParams
+
+    t0 = time.perf_counter()
+    seqs = coord.run(prompts, SamplingParams(max_tokens=len(answers[0]), ignore_eos=True))
+    got = [bytes(i for i in s.output if i < 256).decode("utf-8", "replace") for s in seqs]
+    return {
+        "found": sum(g == a for g, a in zip(got, answers)),
+        "of": len(answers),
+        "answers": answers,
+        "got": got,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def needles(model_dir, lengths, stages: int, reference_max: int) -> dict:
+    from dist_glm5.model.dsa_config import DSAConfig
+
+    out = {}
+    sparse = DSAConfig(mode="sparse", dense_threshold=0)
+    for length in lengths:
+        blocks = 3 * (length // 64 + 4) + 16
+        cases = {
+            kind: needle_prompts(length, kind, seed=length + i)
+            for i, kind in enumerate(("code", "prose"))
+        }
+        c = engine(model_dir, stages=stages, dsa=sparse, blocks=blocks, chunk=1024)
+        try:
+            for kind, (ps, ans) in cases.items():
+                out[f"{length}_{kind}_sparse_{stages}stages"] = ask(c, ps, ans)
+        finally:
+            c.close()
+        if length <= reference_max:
+            c = engine(model_dir, dsa=DSAConfig(mode="reference"), blocks=blocks, chunk=1024)
+            for kind, (ps, ans) in cases.items():
+                out[f"{length}_{kind}_reference"] = ask(c, ps, ans)
+            c.close()
+        log.info("needles at %d: %s", length, {k: v["found"] for k, v in out.items()})
+    return out
+
+
+# ---- MXFP4 vs BF16 ---------------------------------------------------------------------------
+def mxfp4_figures(model_dir, texts) -> dict:
+    from dist_glm5.checkpoint.loader import load_model
+    from dist_glm5.convert.glm53 import convert_glm53
+    from dist_glm5.model.reference_loop import full_logits
+
+    rows = [list(t[:512]) for t in texts[:6]]
+    ref = load_model(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        want = [full_logits(ref, r).float() for r in rows]
+    del ref
+    out = {"texts": "6 held-out texts x 512 tokens, KL(bf16 || mxfp4) per token"}
+    for rule in ("quark", "ocp"):
+        with tempfile.TemporaryDirectory() as tmp:
+            convert_glm53(model_dir, Path(tmp) / "m", rule)
+            q = load_model(Path(tmp) / "m", dtype=torch.float32)
+            kl, agree, n = 0.0, 0, 0
+            with torch.no_grad():
+                for r, w in zip(rows, want):
+                    g = full_logits(q, r).float()
+                    lp, lq = w.log_softmax(-1), g.log_softmax(-1)
+                    kl += (lp.exp() * (lp - lq)).sum().item()
+                    agree += (w.argmax(-1) == g.argmax(-1)).sum().item()
+                    n += len(r)
+            out[rule] = {"kl": round(kl / n, 5), "top1_agreement": round(agree / n, 4)}
+    return out
+
+
+# ---- one word repeated -----------------------------------------------------------------------
+def repeated_word(model_dir, count: int) -> dict:
+    from dist_glm5.model.dsa_config import DSAConfig
+    from dist_glm5.sampling.params import SamplingParams
+
+    prompt = list(b"the " * count)
+    out = {"prompt": f"'the ' x {count} ({len(prompt)} tokens)"}
+    for name, dsa in (
+        ("sparse", DSAConfig(mode="sparse", dense_threshold=0)),
+        ("reference", DSAConfig(mode="reference")),
+    ):
+        c = engine(model_dir, dsa=dsa, blocks=len(prompt) // 64 + 8, chunk=1024)
+        (s,) = c.run([prompt], SamplingParams(max_tokens=48, ignore_eos=True))
+        c.close()
+        text = bytes(i for i in s.output if i < 256).decode("utf-8", "replace")
+        out[name] = {"continuation": text, "keeps_repeating": text == ("the " * 12)[: len(text)]}
+    return out
+
+
+def run(args) -> int:
+    from dist_glm5.checkpoint.default_model import ensure_default_model
+    from dist_glm5.checkpoint.loader import load_model
+
+    logging.basicConfig(level=logging.INFO)
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model) if args.model else ensure_default_model()
+    texts = heldout_texts()
+    res: dict = {"model": str(model_dir)}
+    if "bpb" in args.only:
+        res["bits_per_byte"] = bpb(load_model(model_dir, dtype=torch.float32), texts)
+        log.info("bits/byte: %s", res["bits_per_byte"])
+    if "mtp" in args.only:
+        res["mtp"] = mtp_figures(model_dir, texts, args.mtp_tokens)
+        log.info("mtp: %s", res["mtp"])
+    if "mxfp4" in args.only:
+        res["mxfp4_vs_bf16"] = mxfp4_figures(model_dir, texts)
+        log.info("mxfp4: %s", res["mxfp4_vs_bf16"])
+    if "repeat" in args.only:
+        res["repeated_word"] = repeated_word(model_dir, args.repeat_count)
+        log.info("repeat: %s", res["repeated_word"])
+    if "needles" in args.only:
+        if args.stages > 1:
+            import ray
+
+            from dist_glm5.stages.ray_pipeline import local_cluster
+
+            cluster = local_cluster(args.stages, cpus_per_node=2)
+            ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+        try:
+            res["needles"] = needles(
+                model_dir, args.needle_lengths, args.stages, args.reference_max
+            )
+        finally:
+            if args.stages > 1:
+                ray.shutdown()
+                cluster.shutdown()
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    return 0

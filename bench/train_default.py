@@ -1,0 +1,519 @@
+"""`dist-glm5 bench train-default`: train the embedded default model on this kind of machine.
+
+A small GLM-5-architecture model (byte-level, 4 layers, MLA + DSA indexer + MoE + one MTP layer)
+trained with transformers' GlmMoeDsaForCausalLM plus an MTP block built from its pieces:
+- LM loss (next byte) + MTP_WEIGHT * MTP loss (the byte after next, DeepSeek-V3: the MTP block
+  reads the main model's post-norm hidden state h_i and the embedding of t_{i+1}; the embedding of
+  the row at position 0 is zeroed, as our runtime and vLLM do).
+- The DSA indexer as DeepSeek-V3.2 trains it: its input is detached (it learns only from its own
+  KL loss, the model only from the LM loss); target p_t = the main attention's weights summed over
+  heads (of its layer and the "shared" layers that reuse its selection) and L1-normalised; loss
+  KL(p_t || softmax(I_t)). Dense warm-up first (all keys attended; transformers' indexer is
+  replaced by one that keeps its graph), then sparse training: top-index_topk selection on and the
+  KL restricted to the selected set.
+- MoE balance without an auxiliary loss (DeepSeek-V3): after each step every router's correction
+  bias moves by BIAS_RATE toward the experts that got fewer tokens than the mean.
+Data: corpus.py (stdlib windows and needle documents). Deterministic per step (the batch of step
+s depends only on the seed and s), so a resumed run sees the data it would have seen.
+Checkpoints every --save-every steps to <out>/state.pt; rerunning the command resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import math
+import random
+import time
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+TRAIN_CONFIG = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "vocab_size": 259,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 64,
+    "q_lora_rank": 128,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "index_topk": 64,
+    "index_head_dim": 32,
+    "index_n_heads": 16,
+    "indexer_types": ["full", "shared", "full", "shared"],
+    "num_nextn_predict_layers": 1,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-05,
+    "max_position_embeddings": 1048576,
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    "rope_interleave": True,
+    "indexer_rope_interleave": True,
+    "bos_token_id": 256,
+    "eos_token_id": [257],
+    "pad_token_id": 258,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "initializer_range": 0.02,
+    "dtype": "bfloat16",
+}
+MTP_WEIGHT = 0.3
+BIAS_RATE = 1e-3
+# phases: (fraction of the steps, sequence length, batch, sparse selection on)
+PHASES = [(0.35, 512, 4, False), (0.50, 1024, 2, True), (0.15, 2048, 1, True)]
+NEEDLE_FRACTION = 0.35
+
+
+# ---- the model -------------------------------------------------------------------------------
+def hf_config(raw: dict | None = None):
+    from transformers import GlmMoeDsaConfig
+
+    raw = dict(raw or TRAIN_CONFIG)
+    cfg = GlmMoeDsaConfig(**raw)
+    cfg._attn_implementation = "eager"  # the attention weights are the indexer's target
+    return cfg
+
+
+class MTPBlock(torch.nn.Module):
+    """The MTP layer (stored as model.layers.<num_hidden_layers>) from transformers' pieces."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
+            GlmMoeDsaDecoderLayer,
+            GlmMoeDsaRMSNorm,
+        )
+
+        n = cfg.num_hidden_layers
+        c5 = copy.deepcopy(cfg)  # the block is layer n: an MoE block with its own indexer
+        c5.num_hidden_layers = n + 1
+        c5.indexer_types = list(cfg.indexer_types) + ["full"]
+        c5.mlp_layer_types = list(cfg.mlp_layer_types) + ["sparse"]
+        H = cfg.hidden_size
+        self.block = GlmMoeDsaDecoderLayer(c5, n)
+        self.enorm = GlmMoeDsaRMSNorm(H, cfg.rms_norm_eps)
+        self.hnorm = GlmMoeDsaRMSNorm(H, cfg.rms_norm_eps)
+        self.eh_proj = torch.nn.Linear(2 * H, H, bias=False)
+        self.shared_head_norm = GlmMoeDsaRMSNorm(H, cfg.rms_norm_eps)
+
+    def forward(self, emb, h, position_embeddings, mask, position_ids):
+        """emb: [B, S, H] embeddings of t_{i+1}; h: [B, S, H] post-norm hidden of row i."""
+        emb = emb.masked_fill((position_ids == 0)[..., None], 0.0)
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
+        x, _ = self.block(
+            x,
+            attention_mask=mask,
+            position_embeddings=position_embeddings,
+            position_ids=position_ids,
+        )
+        return self.shared_head_norm(x)
+
+    def hf_names(self, n: int) -> dict[str, str]:
+        """Our parameter names -> checkpoint names (model.layers.<n>.*)."""
+        out = {}
+        for k in self.state_dict():
+            if k.startswith("block."):
+                out[k] = f"model.layers.{n}." + k[len("block.") :]
+            elif k.startswith("shared_head_norm."):
+                out[k] = f"model.layers.{n}.shared_head.norm." + k.split(".", 1)[1]
+            else:
+                out[k] = f"model.layers.{n}.{k}"
+        return out
+
+
+KL_ROWS = 128
+
+
+def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """cos/sin [B or 1, S, d] at query rows [B, R]."""
+    t = t.expand(rows.shape[0], -1, -1)
+    return t.gather(1, rows[..., None].expand(-1, -1, t.shape[-1]))
+
+
+def _indexer_forward(
+    self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None
+):
+    """transformers' indexer math with its graph kept on DETACHED inputs (it learns only from its
+    KL loss); the scores are kept for the loss, the selection returned as transformers does."""
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
+        apply_rotary_pos_emb_interleave,
+    )
+
+    x, qr = hidden_states.detach(), q_resid.detach()
+    B, S, _ = x.shape
+    cos, sin = position_embeddings
+    causal = attention_mask == 0 if attention_mask.dtype != torch.bool else attention_mask
+
+    def scores_of(rows):  # rows: None (every query) or [B, R] query rows
+        q = self.wq_b(
+            qr if rows is None else qr.gather(1, rows[..., None].expand(-1, -1, qr.shape[-1]))
+        )
+        R = q.shape[1]
+        q = q.view(B, R, self.n_heads, self.head_dim)
+        r = self.qk_rope_head_dim
+        c, s_ = (cos, sin) if rows is None else (_rows(cos, rows), _rows(sin, rows))
+        q_rot, q_pass = torch.split(q, [r, self.head_dim - r], dim=-1)
+        k = self.k_norm(self.wk(x)).unsqueeze(2)
+        k_rot, k_pass = torch.split(k, [r, self.head_dim - r], dim=-1)
+        q_rot, _ = apply_rotary_pos_emb_interleave(q_rot, q_rot, c, s_, unsqueeze_dim=2)
+        _, k_rot = apply_rotary_pos_emb_interleave(k_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q_pass], dim=-1)
+        k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+        # relu(x * s) == s * relu(x): the scale rides on the head weights
+        sc = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)))
+        xw = x if rows is None else x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
+        w = self.weights_proj(xw.to(self.weights_proj.weight.dtype)).float()
+        w = w * (self.n_heads**-0.5 * self.softmax_scale)
+        out = torch.matmul(w.unsqueeze(-2), sc).squeeze(-2)  # [B, R, S]
+        cm = causal if rows is None else causal.gather(1, rows[..., None].expand(-1, -1, S))
+        return out.masked_fill(~cm, float("-inf"))
+
+    with torch.no_grad():
+        scores = scores_of(None)
+    topk = min(self.index_topk if self.sparse else S, S)
+    sel = scores.topk(topk, dim=-1).indices
+    # The KL loss reads KL_ROWS query rows per sequence (later rows weighted up: more keys)
+    R = min(KL_ROWS, S)
+    w_rows = torch.arange(1, S + 1, dtype=torch.float).expand(B, S)
+    rows = torch.multinomial(w_rows, R, generator=self.rows_gen)
+    rows = rows.sort(-1).values
+    sel_rows = sel.gather(1, rows[..., None].expand(-1, -1, topk)) if self.sparse else None
+    self.last = (rows, scores_of(rows), sel_rows)
+    return sel.to(torch.int32)
+
+
+class Trainer:
+    def __init__(self, cfg, seed: int):
+        from transformers import GlmMoeDsaForCausalLM
+
+        torch.manual_seed(seed)
+        self.cfg = cfg
+        self.model = GlmMoeDsaForCausalLM(cfg).float()
+        self.mtp = MTPBlock(cfg).float()
+        self.mtp.apply(self.model._init_weights)
+        self.attn_probs: dict[int, torch.Tensor] = {}
+        self.indexers = []
+        self.rows_gen = torch.Generator()  # reseeded every step (resumable)
+        layers = list(self.model.model.layers) + [self.mtp.block]
+        for i, layer in enumerate(layers):
+            att = layer.self_attn
+            att.register_forward_hook(self._keep_probs(i))
+            if att.indexer is not None:
+                att.indexer.forward = types.MethodType(_indexer_forward, att.indexer)
+                att.indexer.sparse = False
+                att.indexer.rows_gen = self.rows_gen
+                self.indexers.append(i)
+        self.loads: dict[int, torch.Tensor] = {}
+        self.routers = {}
+        for i, layer in enumerate(layers):
+            if hasattr(layer.mlp, "gate"):
+                self.routers[i] = layer.mlp.gate
+                layer.mlp.gate.register_forward_hook(self._count(i))
+
+    def _keep_probs(self, i):
+        def hook(mod, args, out):
+            self.attn_probs[i] = out[1].detach().sum(1)  # [B, S, S], summed over heads
+
+        return hook
+
+    def _count(self, i):
+        def hook(mod, args, out):
+            idx = out[2].reshape(-1)
+            self.loads[i] = torch.bincount(idx, minlength=mod.weight.shape[0]).float()
+
+        return hook
+
+    def set_sparse(self, on: bool) -> None:
+        for i in self.indexers:
+            self._layer(i).self_attn.indexer.sparse = on
+
+    def _layer(self, i):
+        n = self.cfg.num_hidden_layers
+        return self.mtp.block if i == n else self.model.model.layers[i]
+
+    def parameters(self):
+        return [p for m in (self.model, self.mtp) for p in m.parameters() if p.requires_grad]
+
+    def indexer_kl(self) -> torch.Tensor:
+        """KL(p || softmax(I)) per full-indexer layer, averaged over queries and layers."""
+        n, types_ = self.cfg.num_hidden_layers, list(self.cfg.indexer_types) + ["full"]
+        total = 0.0
+        for i in self.indexers:
+            group = [i] + [j for j in range(i + 1, n) if types_[j] == "shared"][: self._run(i)]
+            rows, scores, sel = self._layer(i).self_attn.indexer.last
+            p = sum(self.attn_probs[j] for j in group)
+            p = p.gather(1, rows[..., None].expand(-1, -1, p.shape[-1]))
+            if sel is not None:  # sparse: the KL over the selected set only
+                keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, sel, True)
+                scores = scores.masked_fill(~keep, float("-inf"))
+                p = p.masked_fill(~keep, 0.0)
+            p = p / p.sum(-1, keepdim=True).clamp_min(1e-20)
+            logq = torch.log_softmax(scores, dim=-1).clamp_min(-1e4)
+            kl = (p * (torch.log(p.clamp_min(1e-20)) - logq)).sum(-1)
+            total = total + kl.mean()
+        return total / len(self.indexers)
+
+    def _run(self, i: int) -> int:
+        """How many shared layers follow full layer i (they reuse its selection)."""
+        types_, k = list(self.cfg.indexer_types), 0
+        for t in types_[i + 1 :]:
+            if t != "shared":
+                break
+            k += 1
+        return k
+
+    def losses(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        m = self.model.model
+        B, S = ids.shape
+        pos = torch.arange(S).unsqueeze(0).expand(B, S)
+        out = m(input_ids=ids, position_ids=pos)
+        h = out.last_hidden_state
+        logits = self.model.lm_head(h)
+        lm = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        # MTP: row i reads h_i and embed(t_{i+1}), predicts t_{i+2}
+        emb = m.embed_tokens(ids[:, 1:])
+        pe = m.rotary_emb(h, position_ids=pos[:, : S - 1])
+        mask = torch.full((S - 1, S - 1), torch.finfo(h.dtype).min).triu(1)[None, None]
+        hm = self.mtp(emb, h[:, :-1], pe, mask.expand(B, 1, S - 1, S - 1), pos[:, : S - 1])
+        ml = self.model.lm_head(hm)
+        mtp = F.cross_entropy(ml[:, :-1].reshape(-1, ml.shape[-1]), ids[:, 2:].reshape(-1))
+        kl = self.indexer_kl()
+        return {"lm": lm, "mtp": mtp, "kl": kl}
+
+    @torch.no_grad()
+    def balance(self) -> None:
+        for i, gate in self.routers.items():
+            load = self.loads.get(i)
+            if load is not None:
+                gate.e_score_correction_bias += BIAS_RATE * torch.sign(load.mean() - load)
+
+    # ---- export -------------------------------------------------------------------------------
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight under its checkpoint name, experts split per expert (as save_pretrained
+        writes them)."""
+        n = self.cfg.num_hidden_layers
+        named = dict(self.model.state_dict())
+        names = {k: k for k in named}
+        mtp_names = self.mtp.hf_names(n)
+        for k, v in self.mtp.state_dict().items():
+            named["mtp." + k] = v
+            names["mtp." + k] = mtp_names[k]
+        out = {}
+        I = self.cfg.moe_intermediate_size
+        for k, v in named.items():
+            name = names[k]
+            if name.endswith("mlp.experts.gate_up_proj"):
+                pre = name[: -len("gate_up_proj")]
+                for e in range(v.shape[0]):
+                    out[f"{pre}{e}.gate_proj.weight"] = v[e, :I]
+                    out[f"{pre}{e}.up_proj.weight"] = v[e, I:]
+            elif name.endswith("mlp.experts.down_proj"):
+                pre = name[: -len("down_proj")]
+                for e in range(v.shape[0]):
+                    out[f"{pre}{e}.down_proj.weight"] = v[e]
+            else:
+                out[name] = v
+        return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+# ---- data --------------------------------------------------------------------------------------
+class Data:
+    def __init__(self, seed: int):
+        from dist_glm5.checkpoint.default_model import corpus
+
+        self.corpus = corpus
+        files = corpus.load_split("train")
+        self.text = b"\n".join(b for _, b in files)
+        self.seed = seed
+        log.info("train corpus: %d files, %.1f MB", len(files), len(self.text) / 1e6)
+
+    def window(self, rng: random.Random, n: int) -> bytes:
+        start = rng.randrange(0, len(self.text) - n)
+        return self.text[start : start + n]
+
+    def row(self, rng: random.Random, n: int) -> list[int]:
+        if rng.random() < NEEDLE_FRACTION:
+            if rng.random() < 0.5:
+                filler = self.window(rng, n)
+            else:
+                filler = self.corpus.prose_filler(rng, n, classic=rng.random() < 0.3)
+            doc = self.corpus.needle_training_doc(rng, filler, rng.choice([1, 2, 3, 3, 4]))
+        else:
+            doc = self.window(rng, n)
+        doc = (doc + b"\n" * n)[:n]
+        return list(doc)
+
+    def batch(self, step: int, seq: int, batch: int) -> torch.Tensor:
+        rng = random.Random(self.seed * 1_000_003 + step)
+        return torch.tensor([self.row(rng, seq) for _ in range(batch)])
+
+
+def phase_of(step: int, steps: int):
+    edge = 0
+    for frac, seq, batch, sparse in PHASES:
+        edge += frac * steps
+        if step < edge:
+            return seq, batch, sparse
+    return PHASES[-1][1:]
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int = 50) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+# ---- the run -----------------------------------------------------------------------------------
+def register(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="train-default", help="run directory (state, log, export)")
+    p.add_argument("--steps", type=int, default=900)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--save-every", type=int, default=25)
+    p.add_argument(
+        "--export", default=None, help="write the shipped checkpoint here when done (a directory)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.INFO)
+    cfg = hf_config()
+    tr = Trainer(cfg, args.seed)
+    data = Data(args.seed)
+    decay = [p for p in tr.parameters() if p.dim() >= 2]
+    other = [p for p in tr.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
+    state_path, step = out / "state.pt", 0
+    if state_path.exists():
+        st = torch.load(state_path, weights_only=False)
+        tr.model.load_state_dict(st["model"])
+        tr.mtp.load_state_dict(st["mtp"])
+        opt.load_state_dict(st["opt"])
+        step = st["step"]
+        log.info("resumed at step %d", step)
+    logf = open(out / "train.log", "a")
+    bar = tqdm(total=args.steps, initial=step, desc="train", dynamic_ncols=True)
+    t0 = time.time()
+    while step < args.steps:
+        seq, batch, sparse = phase_of(step, args.steps)
+        tr.set_sparse(sparse)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.steps, args.lr)
+        ids = data.batch(step, seq, batch)
+        tr.rows_gen.manual_seed(args.seed * 1_000_003 + step)
+        tr.model.train()
+        ls = tr.losses(ids)
+        loss = ls["lm"] + MTP_WEIGHT * ls["mtp"] + ls["kl"]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(tr.parameters(), 1.0)
+        opt.step()
+        tr.balance()
+        step += 1
+        rec = {k: round(v.item(), 4) for k, v in ls.items()}
+        rec.update(step=step, seq=seq, sparse=sparse, gn=round(gn.item(), 3))
+        rec["s"] = round(time.time() - t0, 1)
+        logf.write(json.dumps(rec) + "\n")
+        logf.flush()
+        bar.set_postfix(lm=rec["lm"], mtp=rec["mtp"], kl=rec["kl"], seq=seq)
+        bar.update(1)
+        if step % args.save_every == 0 or step == args.steps:
+            tmp = state_path.with_suffix(".tmp")
+            torch.save(
+                {
+                    "model": tr.model.state_dict(),
+                    "mtp": tr.mtp.state_dict(),
+                    "opt": opt.state_dict(),
+                    "step": step,
+                },
+                tmp,
+            )
+            tmp.replace(state_path)
+    bar.close()
+    if args.export:
+        export(tr, Path(args.export))
+    return 0
+
+
+def export(tr: Trainer, dst: Path) -> None:
+    """The shipped checkpoint: config.json, the byte tokenizer, bf16 weights (the router in fp32:
+    both runtimes keep it there)."""
+    from dist_glm5.checkpoint.safetensors_io import save_streaming
+    from dist_glm5.checkpoint.tokenizer import BYTE_TOKENIZER
+
+    dst.mkdir(parents=True, exist_ok=True)
+    sd = tr.hf_state_dict()
+    fp32 = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
+    sd = {k: v.float() if k.endswith(fp32) else v.to(torch.bfloat16) for k, v in sd.items()}
+    (dst / "config.json").write_text(json.dumps(TRAIN_CONFIG, indent=2) + "\n")
+    (dst / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": BYTE_TOKENIZER}))
+    save_streaming(dst / "model.safetensors", sd, metadata={"format": "pt"})
+    log.info("exported %d tensors to %s", len(sd), dst)
+    rep = {"heldout_loss_test_slice": heldout_loss(dst), "test_slice": TEST_SLICE}
+    (dst / "train_report.json").write_text(json.dumps(rep, indent=1) + "\n")
+    log.info("held-out loss of the exported weights: %s", rep)
+
+
+TEST_SLICE = "heldout.json texts 0 and 1, first 1024 bytes each"
+
+
+def heldout_loss(model_dir: Path) -> float:
+    """Mean next-byte cross-entropy (nats) of the exported weights on the test slice, computed by
+    transformers in fp32 (the figure tests/test_trained_default.py checks our runtime against)."""
+    import tempfile
+
+    from transformers import GlmMoeDsaForCausalLM
+
+    from dist_glm5.bench.generate_vs_hf import hf_copy
+    from dist_glm5.checkpoint.default_model.corpus import frozen_heldout
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = GlmMoeDsaForCausalLM.from_pretrained(
+            hf_copy(model_dir, Path(tmp)), dtype=torch.float32
+        ).eval()
+        ids = torch.tensor([list(t["text"].encode()[:1024]) for t in frozen_heldout()[:2]])
+        with torch.no_grad():
+            lo = ref(ids).logits
+        return F.cross_entropy(lo[:, :-1].reshape(-1, lo.shape[-1]), ids[:, 1:].reshape(-1)).item()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    register(p)
+    args = p.parse_args()
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

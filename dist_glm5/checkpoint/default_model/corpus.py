@@ -1,0 +1,171 @@
+"""The trained default model's corpus: text every machine has, plus synthetic needle documents.
+
+Text: the Python standard library shipped with the interpreter (its `.py` sources, docstrings and
+comments included, and `pydoc_data/topics.py`, the language and library reference topics that
+`help()` prints). Licence: Python Software Foundation License Version 2 (PSF-2.0), which permits
+use, copying and derived works provided the PSF copyright notice is retained; the trained weights
+are a derived work and the shipped held-out slice carries the notice (`heldout.json`).
+
+Split: a file is held out when crc32 of its path relative to the stdlib is 0 mod 20 (about 5% of
+the files), so the split does not depend on the order of the walk. The stdlib differs between
+Python versions, so the figures a test checks use the slice frozen in `heldout.json`, not the
+local stdlib.
+
+Needles: a key and a value hidden in filler, asked for at the end with the same prefix, so that
+answering is copying what followed the earlier occurrence of the prefix:
+    ... filler [key 4821: q7x2m9] filler ... [key 4821: q7x2m9]
+The prompt ends after "[key 4821: "; the answer is "q7x2m9".
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+HELDOUT_PATH = Path(__file__).with_name("heldout.json")
+PSF_NOTICE = (
+    "Copyright (c) 2001 Python Software Foundation; All Rights Reserved. Text from the Python "
+    "standard library, used under the PSF License Version 2."
+)
+_SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
+VALUE_CHARS = "abcdefghijkmnpqrstuvwxyz23456789"
+PROSE = (
+    b"The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+_PROSE_POOL = [
+    b"The grass is green.",
+    b"The sky is blue.",
+    b"The sun is yellow.",
+    b"Here we go.",
+    b"There and back again.",
+    b"The river runs to the sea.",
+    b"A cat sleeps on the warm wall.",
+    b"Snow falls in the quiet night.",
+    b"The train left on time.",
+    b"Bread is baked every morning.",
+    b"The wind turns the old mill.",
+    b"Stars come out after dusk.",
+]
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files() -> list[tuple[str, Path]]:
+    """(relative path, path) of every source file of the corpus, sorted."""
+    root = stdlib_root()
+    out = []
+    for p in root.rglob("*.py"):
+        rel = p.relative_to(root)
+        if any(part in _SKIP_DIRS for part in rel.parts[:-1]):
+            continue
+        out.append((rel.as_posix(), p))
+    return sorted(out)
+
+
+def is_heldout(rel: str) -> bool:
+    return zlib.crc32(rel.encode()) % 20 == 0
+
+
+def load_split(split: str) -> list[tuple[str, bytes]]:
+    """[(relative path, bytes)] of the 'train' or 'heldout' split of the local stdlib."""
+    want = split == "heldout"
+    return [(rel, p.read_bytes()) for rel, p in stdlib_files() if is_heldout(rel) == want]
+
+
+def frozen_heldout() -> list[dict]:
+    """The held-out texts frozen at training time: [{'path', 'text'}] (stdlib, PSF licence)."""
+    return json.loads(HELDOUT_PATH.read_text())["texts"]
+
+
+def write_frozen_heldout(n_texts: int = 8, n_bytes: int = 4096, seed: int = 0) -> None:
+    """Freeze n_texts slices of the held-out split (the tests and the bench read these)."""
+    import platform
+
+    rng = random.Random(seed)
+    files = [(r, b) for r, b in load_split("heldout") if len(b) > 2 * n_bytes]
+    texts = []
+    for rel, data in rng.sample(files, n_texts):
+        start = rng.randrange(0, len(data) - n_bytes)
+        chunk = data[start : start + n_bytes].decode("utf-8", errors="ignore")
+        texts.append({"path": rel, "offset": start, "text": chunk})
+    doc = {
+        "source": f"Python {platform.python_version()} standard library, held-out split",
+        "licence": "PSF-2.0",
+        "notice": PSF_NOTICE,
+        "texts": texts,
+    }
+    HELDOUT_PATH.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+# ---- needle documents ------------------------------------------------------------------------
+@dataclass
+class Needle:
+    key: str
+    value: str
+
+    @property
+    def line(self) -> bytes:
+        return f"[key {self.key}: {self.value}]".encode()
+
+    @property
+    def query(self) -> bytes:
+        return f"[key {self.key}: ".encode()
+
+
+def make_needles(rng: random.Random, n: int) -> list[Needle]:
+    keys = rng.sample(range(1000, 10000), n)
+    return [Needle(str(k), "".join(rng.choice(VALUE_CHARS) for _ in range(6))) for k in keys]
+
+
+def prose_filler(rng: random.Random, n_bytes: int, classic: bool = False) -> bytes:
+    """Repetitive prose: the classic pass-key filler, or sentences drawn from a small pool."""
+    if classic:
+        reps = n_bytes // len(PROSE) + 1
+        return (PROSE * reps)[:n_bytes]
+    out, size = [], 0
+    while size < n_bytes:
+        s = rng.choice(_PROSE_POOL) + b" "
+        out.append(s)
+        size += len(s)
+    return b"".join(out)[:n_bytes]
+
+
+def _cut_at_line(filler: bytes, pos: int) -> int:
+    """A position at a line (code) or sentence (prose) boundary near pos."""
+    for sep in (b"\n", b". "):
+        j = filler.rfind(sep, max(0, pos - 200), pos)
+        if j >= 0:
+            return j + len(sep)
+    return pos
+
+
+def needle_prompt(
+    rng: random.Random, filler: bytes, needles: list[Needle], depth: tuple[float, float] = (0, 1)
+) -> bytes:
+    """filler with each needle inserted at a random depth (fraction of the filler)."""
+    cuts = sorted(
+        _cut_at_line(filler, int(len(filler) * rng.uniform(*depth))) for _ in range(len(needles))
+    )
+    parts, prev = [], 0
+    for c, nd in zip(cuts, needles):
+        parts += [filler[prev:c], b"\n" + nd.line + b"\n"]
+        prev = c
+    parts.append(filler[prev:])
+    return b"".join(parts)
+
+
+def needle_training_doc(rng: random.Random, filler: bytes, n_needles: int = 3) -> bytes:
+    """A training document: needles in filler, then every needle asked and answered (random
+    order)."""
+    needles = make_needles(rng, n_needles)
+    asked = needles[:]
+    rng.shuffle(asked)
+    tail = b"".join(b"\n" + nd.line for nd in asked) + b"\n"
+    body = needle_prompt(rng, filler[: max(0, len(filler) - len(tail))], needles, (0.0, 0.95))
+    return body + tail
