@@ -138,14 +138,12 @@ def serve(args: argparse.Namespace, d: Path, cfg) -> int:
         )
     )
     loop = EngineLoop(engine)
-    tokenizer = load_tokenizer(d)
     model = ModelInfo.from_model_dir(
-        d, args.served_model_name or d.name, args.ctx, cfg.vocab_size, tokenizer
+        d, args.served_model_name or d.name, loop.max_model_len, cfg.vocab_size, load_tokenizer(d)
     )
-    client = EngineClient(loop, tokenizer)
-    server = HttpServer(
-        build_app(client, model, args.api_key), ServerSettings(host=args.host, port=args.port)
-    )
+    settings = ServerSettings(host=args.host, port=args.port)
+    client = EngineClient(loop, max_waiters=settings.limit_concurrency)
+    server = HttpServer(build_app(client, model, args.api_key), settings)
     # uvicorn stops on SIGINT/SIGTERM and then re-raises the signal to the handler it found:
     # this one, so that the engine is closed (Ray actors included) before the process ends
     for sig in (signal.SIGINT, signal.SIGTERM):

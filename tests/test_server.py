@@ -159,7 +159,7 @@ def test_bad_requests_get_4xx_and_serving_goes_on(single):
         .decode()
     )
     assert (
-        "dist_glm5_requests_total" in metrics
+        "dist_glm5_request_success_total" in metrics
         and "dist_glm5_time_to_first_token_seconds_count" in metrics
     )
 

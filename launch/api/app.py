@@ -17,7 +17,7 @@ from . import errors
 from .auth import ApiKeyMiddleware, bearer
 from .engine_client import EngineClient
 from .engine_request import ModelInfo
-from .metrics import ServerMetrics
+from .metrics import registry
 from .protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -50,10 +50,9 @@ def build_app(
     )
     errors.install(app)
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    metrics = ServerMetrics(engine.metrics)
-    serving = Serving(engine, model, metrics)
+    metrics = registry(engine.metrics)
+    serving = Serving(engine, model)
     started = int(time.time())
-    app.state.metrics = metrics
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     def health():
@@ -79,7 +78,7 @@ def build_app(
 
     @api.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(api)
     return app

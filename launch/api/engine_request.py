@@ -154,8 +154,12 @@ def _params(req, m, ids, max_tokens, logprobs, stop, stop_ids, bad_words) -> Sam
     def pick(name: str, off):  # the request's value, else the model's default, else off
         return next(v for v in (getattr(req, name), d.get(name), off) if v is not None)
 
+    temperature = pick("temperature", 1.0)  # OpenAI's default
+    if 0 < temperature < MIN_TEMPERATURE:  # as vLLM: logits / 1e-300 overflow to inf
+        log.warning("temperature %g raised to %g", temperature, MIN_TEMPERATURE)
+        temperature = MIN_TEMPERATURE
     return SamplingParams(
-        temperature=pick("temperature", 1.0),  # OpenAI's default
+        temperature=temperature,
         top_p=pick("top_p", 1.0),
         top_k=max(pick("top_k", 0), 0),  # -1 is vLLM's "off"
         min_p=pick("min_p", 0.0),
@@ -172,6 +176,7 @@ def _params(req, m, ids, max_tokens, logprobs, stop, stop_ids, bad_words) -> Sam
     )
 
 
+MIN_TEMPERATURE = 0.01
 _TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")
 
 

@@ -49,11 +49,28 @@ class Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
-class Request(Strict):
+class Refuses(Strict):
+    """Declares the known fields it does not support in UNSUPPORTED: field -> the value that
+    means "off"; any other value gets a 400 naming the field."""
+
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {}
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _supported(cls, v, info):
+        off = cls.UNSUPPORTED.get(info.field_name, v)
+        if v != off:
+            raise ValueError(
+                f"{info.field_name}={v!r:.80} is not supported by this server "
+                f"(leave it out{'' if off is None else f' or send {off!r}'})"
+            )
+        return v
+
+
+class Request(Refuses):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(extra="allow")
-    # field -> the value that means "off"; any other value gets a 400 naming the field
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
         "n": 1,
         "best_of": None,
@@ -109,17 +126,6 @@ class Request(Strict):
     response_format: Any = None
     truncate_prompt_tokens: Any = None
 
-    @field_validator("*", mode="after")
-    @classmethod
-    def _supported(cls, v, info):
-        off = cls.UNSUPPORTED.get(info.field_name, v)
-        if v != off:
-            raise ValueError(
-                f"{info.field_name}={v!r:.80} is not supported by this server "
-                f"(leave it out{'' if off is None else f' or send {off!r}'})"
-            )
-        return v
-
     @property
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
@@ -149,15 +155,25 @@ class TextPart(Strict):
     text: Text
 
 
-class ChatMessage(Strict):
+class ChatMessage(Refuses):
     """One message of a chat. Content is text, or a list of text parts (other part types, tool
     calls and the "tool" role are refused for now)."""
 
     model_config = ConfigDict(extra="allow")  # e.g. reasoning_content from a previous turn
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {
+        "tool_calls": None,
+        "tool_call_id": None,
+        "function_call": None,
+        "audio": None,
+    }
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart]
     name: Text | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: Text | None = None
+    function_call: Any = None
+    audio: Any = None
 
     @property
     def text(self) -> str:

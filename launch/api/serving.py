@@ -25,7 +25,6 @@ from fastapi.sse import format_sse_event
 from .engine_client import EngineClient, EngineFailed, EngineRefused, Output
 from .engine_request import EngineRequest, ModelInfo, chat_request, completion_request
 from .errors import ApiError, ClientGone
-from .metrics import ServerMetrics
 from .protocol import (
     AssistantMessage,
     ChatChoice,
@@ -65,8 +64,8 @@ class Generation:
 
 
 class Serving:
-    def __init__(self, engine: EngineClient, model: ModelInfo, metrics: ServerMetrics):
-        self.engine, self.model, self.metrics = engine, model, metrics
+    def __init__(self, engine: EngineClient, model: ModelInfo):
+        self.engine, self.model = engine, model
 
     async def complete(self, request: Request, body: CompletionRequest):
         er = completion_request(body, self.model)
@@ -77,25 +76,17 @@ class Serving:
         return await self._answer(request, er, _ChatShape(self, er))
 
     # ---- one request through the engine --------------------------------------------------------
-    async def _outputs(self, er: EngineRequest) -> AsyncIterator[Output]:
-        timer = self.metrics.timer(len(er.prompt))
-        reason = "abort"
+    async def _outputs(self, er: EngineRequest, request_id: str) -> AsyncIterator[Output]:
         try:
-            async for out in self.engine.generate(er.prompt, er.params):
-                timer.tokens_arrived(len(out.token_ids))
-                reason = out.finish_reason or reason
+            async for out in self.engine.generate(er.prompt, er.params, request_id):
                 yield out
         except EngineRefused as e:
-            reason = "refused"
             raise ApiError(400, str(e), None, "engine_refused") from None
         except EngineFailed as e:
-            reason = "error"
-            raise ApiError(500, f"the engine failed serving this request: {e}", None) from None
-        finally:
-            timer.finished(reason)
+            raise ApiError(500, f"the engine failed serving this request: {e}") from None
 
     async def _answer(self, request: Request, er: EngineRequest, shape: _Shape):
-        outputs = self._outputs(er)
+        outputs = self._outputs(er, shape.id)
         if not er.stream:
             g = await _until_disconnect(request, _collect(outputs))
             return shape.response(g)
