@@ -429,3 +429,31 @@ def test_property_based_run_against_the_openapi_schema_has_no_5xx(server):
         _fuzz(server, op, 40 if op.method.upper() == "POST" else 5, seen)()
     assert seen.get(200, 0) > 0 and seen.get(400, 0) > 0, seen  # both valid and invalid draws
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("status", ["restarting", "dead"])
+def test_health_is_503_while_the_engine_cannot_serve(status):
+    from fastapi.testclient import TestClient
+
+    from dist_glm5.launch.api.app import build_app
+    from dist_glm5.launch.api.engine_client import EngineClient
+    from dist_glm5.launch.api.engine_request import ModelInfo
+    from dist_glm5.launch.engine_loop import EngineState
+    from dist_glm5.stages.metrics import EngineMetrics
+
+    class Stuck:  # the engine loop's health and metrics, in the given state
+        max_model_len = 64
+
+        def health(self):
+            return EngineState(status, "pipeline restart failed: OSError")
+
+        def metrics_snapshot(self):
+            return EngineMetrics()
+
+    client = EngineClient(Stuck(), max_waiters=1)
+    with TestClient(build_app(client, ModelInfo("m", 64, 10), api_key=KEY)) as t:
+        r = t.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "unavailable"
+        assert status in r.json()["detail"] and "OSError" in r.json()["detail"]
+        assert t.get("/metrics", headers=AUTH).status_code == 200
+    client.close()
