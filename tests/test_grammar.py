@@ -1,0 +1,124 @@
+"""Structured output at the grammar layer, with the weakest model there is (random logits under
+the mask): every completed output validates against its JSON schema (checked by `jsonschema`,
+which nobody here wrote), every forced tool call parses and its arguments validate, EOS comes
+only where the grammar may end, and rollback restores the mask (what MTP relies on)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+import torch
+
+from dist_glm5.checkpoint.tokenizer import ByteTokenizer
+from dist_glm5.launch.api.tool_calls import parse_tool_calls
+from dist_glm5.sampling.grammar import GrammarMatcher, GrammarSpec, validate
+
+TOK = ByteTokenizer()
+V, EOS = 259, (257,)
+
+
+def leaf(r: random.Random, depth: int) -> dict:
+    kind = r.choice(["string", "enum", "integer", "number", "boolean", "null", "array", "object"])
+    if kind == "string":
+        return {"type": "string", "maxLength": r.randint(0, 8)}
+    if kind == "enum":
+        return {"type": "string", "enum": r.sample(["a", "b c", "ü", 'q"t', "x\ny"], 3)}
+    if kind == "integer":
+        lo = r.randint(-50, 50)
+        return {"type": "integer", "minimum": lo, "maximum": lo + r.randint(0, 1000)}
+    if kind == "number":
+        return {"type": "number", "minimum": -10, "maximum": 10}
+    if kind == "array":
+        return {"type": "array", "items": leaf(r, depth + 1) if depth < 2 else {"type": "boolean"},
+                "maxItems": 3}  # fmt: skip
+    if kind == "object" and depth < 2:
+        return obj(r, depth + 1)
+    return {"type": kind if kind != "object" else "null"}
+
+
+def obj(r: random.Random, depth: int = 0) -> dict:
+    names = r.sample(["id", "name", "tags", "x", "y_z", "ok", "n", "deep"], r.randint(1, 4))
+    props = {k: leaf(r, depth) for k in names}
+    req = [k for k in names if r.random() < 0.6]
+    return {"type": "object", "properties": props, "required": req, "additionalProperties": False}
+
+
+SCHEMAS = [obj(random.Random(i)) for i in range(50)]
+
+
+def walk(spec: GrammarSpec, seed: int, limit: int = 3000) -> tuple[str, bool]:
+    """Random logits, masked: the output and whether it ended with EOS."""
+    m = GrammarMatcher(spec, TOK, V, EOS)
+    g = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    for _ in range(limit):
+        allowed = m.allowed()
+        assert allowed.any(), "the grammar left no token allowed"
+        t = int(torch.randn(V, generator=g).masked_fill(~allowed, float("-inf")).argmax())
+        if t in EOS:
+            return TOK.decode(out), True
+        assert m.accept(t)
+        out.append(t)
+    return TOK.decode(out), False
+
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_json_schema_outputs_validate(i):
+    spec = GrammarSpec.json_schema(SCHEMAS[i])
+    validate(spec, TOK)
+    text, ended = walk(spec, seed=i)
+    assert ended, text[:200]
+    jsonschema.validate(json.loads(text), SCHEMAS[i])
+
+
+def test_json_object_is_an_object():
+    for seed in range(5):
+        text, ended = walk(GrammarSpec("json_object"), seed, limit=6000)
+        if ended:
+            assert isinstance(json.loads(text), dict)
+
+
+FUNCTIONS = [
+    {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "unit": {"type": "string", "enum": ["C", "F"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"}},
+                  "required": ["lat"], "additionalProperties": False}},
+        "required": ["city", "days"]}},
+    {"name": "ping", "parameters": {"type": "object", "properties": {}}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("bounds", [(1, 1), (1, 3)])
+def test_forced_tool_calls_parse_and_validate(seed, bounds):
+    text, ended = walk(GrammarSpec.tool_calls(FUNCTIONS, *bounds), seed)
+    assert ended
+    tools = {f["name"]: f["parameters"] for f in FUNCTIONS}
+    content, calls = parse_tool_calls(text, tools)
+    assert content == "" and bounds[0] <= len(calls) <= bounds[1], text
+    for c in calls:
+        jsonschema.validate(json.loads(c["function"]["arguments"]), tools[c["function"]["name"]])
+
+
+def test_eos_only_where_the_grammar_may_end_and_rollback_restores():
+    m = GrammarMatcher(GrammarSpec.json_schema({"type": "integer"}), TOK, V, EOS)
+    assert not m.allowed()[EOS[0]]  # nothing yet: EOS is not allowed
+    m.accept(ord("4"))
+    after_4 = m.allowed()
+    assert after_4[EOS[0]] and after_4[ord("2")] and not after_4[ord("x")]
+    m.accept(ord("2"))
+    m.rollback(1)
+    assert torch.equal(m.allowed(), after_4)
+    assert not m.accept(ord("x"))  # refused
+
+
+def test_a_grammar_that_does_not_compile_is_named():
+    with pytest.raises(ValueError, match="lark grammar does not compile"):
+        validate(GrammarSpec("lark", "start: (("), TOK)
+    with pytest.raises(ValueError, match="grammar kind"):
+        GrammarSpec("xml")
