@@ -95,8 +95,10 @@ def chat_request(req: ChatCompletionRequest, m: ModelInfo) -> EngineRequest:
 
 
 def _common_checks(req: Request, m: ModelInfo) -> None:
-    if req.unknown_fields:
-        log.warning("ignoring fields unknown to OpenAI and vLLM: %s", ", ".join(req.unknown_fields))
+    if unknown := req.unknown_fields:  # repr: a name may hold any character
+        names = ", ".join(repr(k)[:40] for k in unknown[:10])
+        more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+        log.warning("ignoring fields unknown to OpenAI and vLLM: %s%s", names, more)
     if req.model is not None and req.model != m.name:
         raise ApiError(
             404,

@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -53,11 +53,16 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 @dataclass
 class Generation:
-    """One request's outputs as they arrive: the text, and the engine's final sequence."""
+    """A non-streamed request's outputs: the text's pieces (joined once: no quadratic string
+    growth over a long output), and the engine's final sequence."""
 
-    text: str = ""
+    parts: list[str] = field(default_factory=list)
     seq: object | None = None
     finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
 
     def usage(self, prompt_tokens: int) -> Usage:
         return _usage(prompt_tokens, len(self.seq.output) if self.seq is not None else 0)
@@ -101,26 +106,23 @@ class Serving:
     async def _events(
         self, shape: _Shape, er: EngineRequest, first: Output, outputs: AsyncIterator[Output]
     ) -> AsyncIterator[bytes]:
-        g = Generation()
+        prompt_tokens = len(er.prompt)
         async with contextlib.aclosing(outputs):  # a dropped stream aborts the request
             try:
                 for chunk in shape.opening():
                     yield _sse(chunk)
                 out: Output | None = first
-                n = 0
+                n = 0  # tokens so far; at the end the final sequence's (a stop string trimmed)
                 while out is not None:
-                    g.text += out.text
-                    n += len(out.token_ids)
-                    if out.finished:
-                        g.seq, g.finish_reason = out.seq, out.finish_reason
-                    usage = _usage(len(er.prompt), n) if er.continuous_usage else None
+                    n = len(out.seq.output) if out.finished else n + len(out.token_ids)
+                    usage = _usage(prompt_tokens, n) if er.continuous_usage else None
                     if out.text:
                         yield _sse(shape.chunk(out.text, None, usage))
                     if out.finished:
                         yield _sse(shape.chunk(None, out.finish_reason, usage))
                     out = await anext(outputs, None)
                 if er.include_usage:
-                    yield _sse(shape.usage_chunk(g.usage(len(er.prompt))))
+                    yield _sse(shape.usage_chunk(_usage(prompt_tokens, n)))
             except ApiError as e:
                 log.error("stream %s failed: %s", shape.id, e)
                 err = ErrorInfo(message=e.message, type="server_error", code=e.code)
@@ -135,7 +137,7 @@ async def _collect(outputs: AsyncIterator[Output]) -> Generation:
     g = Generation()
     async with contextlib.aclosing(outputs):
         async for out in outputs:
-            g.text += out.text
+            g.parts.append(out.text)
             if out.finished:
                 g.seq, g.finish_reason = out.seq, out.finish_reason
     return g
@@ -148,6 +150,9 @@ async def _until_disconnect(request: Request, work: Awaitable):
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is shutting down: the work goes too
+        task.cancel()
+        raise
     finally:
         gone.cancel()
     if task.done():
