@@ -72,3 +72,25 @@ def test_batch_killed_halfway_completes_on_rerun(tmp_path, default_model_dir):
         assert x.get("token_ids") == want[x["id"]].get("token_ids") and x.get("error") == want[
             x["id"]
         ].get("error")
+
+
+def test_batch_stops_cleanly_on_ctrl_c_and_resumes(tmp_path, default_model_dir):
+    inp, out = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
+    jobs = [
+        {"id": f"p{i}", "prompt": f"prompt {i}", "max_tokens": n, "ignore_eos": True}
+        for i, n in enumerate([30, 4, 50, 8])
+    ]
+    inp.write_text("".join(json.dumps(j) + "\n" for j in jobs))
+    cmd = [*LAUNCH, "batch", "--input", str(inp), "--output", str(out)]
+    # Ctrl-C (SIGINT) right after the first result line: the step finishes, the job stops
+    env = {**os.environ, "DIST_GLM5_BATCH_KILL_AFTER": "1:INT"}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 130, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "rerun the same command to resume" in r.stderr
+    first = _lines(out)
+    assert 1 <= len(first) < len(jobs)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = {x["id"]: x for x in _lines(out)}
+    assert len(_lines(out)) == len(jobs) and sorted(got) == sorted(j["id"] for j in jobs)
+    assert all(len(got[j["id"]]["token_ids"]) == j["max_tokens"] for j in jobs)
