@@ -331,6 +331,11 @@ def test_client_disconnect_aborts_the_request(server, oc, stream):
         seq.finish_reason,
         len(seq.output),
     )
+    # nothing else runs: its blocks are back in the ledger
+    t0 = time.monotonic()
+    while (m := server.loop.metrics_snapshot()).running or m.cache_usage:
+        assert time.monotonic() - t0 < 5, (m.running, m.cache_usage)
+        time.sleep(0.01)
     assert oc.completions.create(model="glm5-tiny", prompt="next", max_tokens=2).choices
 
 
