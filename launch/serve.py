@@ -92,14 +92,15 @@ def hardware(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from dist_glm5.checkpoint.default_model import ensure_default_model
     from dist_glm5.model.config import ModelConfig
-    from dist_glm5.model.dsa import DSAConfig
     from dist_glm5.planning.cluster_fit import Layout, check, table, weights_format_of
+
+    from .engine_args import dsa_config
 
     d = Path(args.model) if args.model else ensure_default_model()
     cfg = ModelConfig.from_hf(d)
     layout = Layout(args.stages, hardware(args))
     fmt = args.weights_format or weights_format_of(cfg)
-    kw = {} if args.backend == "hpu" else {"dsa": DSAConfig(mode="sparse")}
+    kw = {} if args.backend == "hpu" else {"dsa": dsa_config(args)}  # sparse unless --dsa dense
     if args.dry_run:
         from dist_glm5.planning.cluster_fit import plan
 
@@ -121,7 +122,6 @@ def run(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace, d: Path, cfg) -> int:
     from dist_glm5.checkpoint.tokenizer import load_tokenizer
-    from dist_glm5.model.dsa_config import DSAConfig
 
     from .api.app import build_app
     from .api.engine_client import EngineClient
@@ -131,12 +131,9 @@ def serve(args: argparse.Namespace, d: Path, cfg) -> int:
     from .engine_loop import EngineLoop
 
     t0 = time.perf_counter()
-    blocks = -(-(args.ctx + args.chunk_tokens) // args.block_size)  # one sequence of --ctx
-    engine = build_engine(
-        engine_config(
-            args, d, max_model_len=args.ctx, cache_blocks=blocks, dsa=DSAConfig(mode="sparse")
-        )
-    )
+    # one sequence of --ctx: more requests queue for blocks (the scheduler admits, preempts)
+    blocks = -(-(args.ctx + args.chunk_tokens) // args.block_size)
+    engine = build_engine(engine_config(args, d, max_model_len=args.ctx, cache_blocks=blocks))
     loop = EngineLoop(engine)
     model = ModelInfo.from_model_dir(
         d, args.served_model_name or d.name, loop.max_model_len, cfg.vocab_size, load_tokenizer(d)
