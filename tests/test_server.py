@@ -48,7 +48,10 @@ def stop(p):
 
 @pytest.fixture(scope="module")
 def single(default_model_dir):
-    p, ready = start("single-node", "--ctx", "4k", "--api-key", "sekret")
+    # the model the oracle fixtures load (the random one), not the shipped trained default
+    p, ready = start(
+        "single-node", "--model", str(default_model_dir), "--ctx", "4k", "--api-key", "sekret"
+    )
     yield openai.OpenAI(base_url=ready["url"], api_key="sekret", max_retries=0), ready
     stop(p)
 
@@ -176,7 +179,11 @@ def test_two_node_on_a_local_ray_cluster_gives_the_same_greedy_text(single, defa
     )
     cluster = local_cluster(2, cpus_per_node=2)
     try:
-        p, r2 = start("two-node", "--ctx", "8k", "--address", cluster.address, "--mtp")
+        p, r2 = start(
+            "two-node",
+            *("--model", str(default_model_dir), "--ctx", "8k"),
+            *("--address", cluster.address, "--mtp"),
+        )
         try:
             c2 = openai.OpenAI(base_url=r2["url"], api_key="none", max_retries=0)
             got = c2.completions.create(
