@@ -114,6 +114,19 @@ def test_logprobs_and_prompt_logprobs(coord, default_model):
         ({"logprobs": 99}, "logprobs"),
         ({"bad_words": [[]]}, "bad_words"),
         ({"logit_bias": {999: 1.0}}, "outside"),
+        # the malformed bodies: each refused before the engine sees it
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+        ({"stop_token_ids": "5"}, "stop_token_ids"),
+        ({"bad_words": [["a"]]}, "bad_words"),
+        ({"bad_words": [[1.5]]}, "bad_words"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": "abc"}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"logprobs": 2.5}, "logprobs"),
+        ({"stop": [1, 2]}, "stop"),
+        ({"logit_bias": {1: float("nan")}}, "logit_bias"),
+        ({"temperature": float("inf")}, "temperature"),
     ],
 )
 def test_bad_parameters(coord, kw, needle):
