@@ -62,3 +62,13 @@ def test_guard_flags_the_reference_bisection_and_passes_ours():
     with StepGuard() as ours:
         indexer.select_topk(s, Q_POS, 64)
     assert ours.violations == [] and ours.ops > 32
+
+
+def test_guard_caps_cache_gathers_only():
+    store, act = torch.zeros(1000, 64), torch.zeros(1000, 64)
+    idx = torch.arange(600)
+    with StepGuard(100 * 64 * 4, stores=[store]) as g:
+        store.index_select(0, idx[:100])  # at the cap: fine
+        store.view(-1, 10, 64)[idx[:20]]  # a view of the store, by blocks: 51 KB, over
+        act[idx]  # an activation, not a cache store: not capped
+    assert [(v.kind, v.op) for v in g.violations] == [("gather", "aten.index.Tensor")]

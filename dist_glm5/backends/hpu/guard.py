@@ -7,8 +7,9 @@ device) and read `violations`:
   sync and a new graph per distinct result on the card;
 - "int64": an int64 result holding a value outside int32 (lazy mode casts int64 to int32 on the
   device, so it would wrap silently);
-- "gather": one gather (index_select / index / gather / embedding) producing more than
-  `gather_cap_bytes` (a 9.7 GB gather hung all eight cards, design.md section 3).
+- "gather": one gather (index_select / index / gather / take) from a cache store producing more
+  than `gather_cap_bytes` (a 9.7 GB gather hung all eight cards, design.md section 3); `stores`
+  names the cache tensors (all gathers are checked when it is not given).
 Each violation names the op and the innermost dist_glm5 source line that caused it. An opaque op
 (a native kernel, or the fake's CPU implementation of one) counts as one op: the guard does not
 look inside it. A CPU-only tool: it reads values, so it syncs.
@@ -40,7 +41,8 @@ _DATA_DEPENDENT = {
     "argwhere",
     "repeat_interleave",
 }
-_GATHERS = {"index_select", "index", "gather", "embedding", "take", "_unsafe_index"}
+# cache reads; the embedding lookup is not capped (T x H: 100 MB at 8192 tokens of GLM-5)
+_GATHERS = {"index_select", "index", "gather", "take", "_unsafe_index"}
 _INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index"}
 _HERE = str(Path(__file__).resolve())
 _PKG = str(Path(__file__).resolve().parents[2])  # .../dist_glm5
@@ -63,9 +65,10 @@ def _site() -> str:
 
 
 class StepGuard(TorchDispatchMode):
-    def __init__(self, gather_cap_bytes: int = 512 * 1024 * 1024):
+    def __init__(self, gather_cap_bytes: int = 512 * 1024 * 1024, stores=None):
         super().__init__()
         self.cap = gather_cap_bytes
+        self.stores = None if stores is None else {_ptr(t) for t in stores}
         self.violations: list[Violation] = []
         self.ops = 0
 
@@ -81,13 +84,17 @@ class StepGuard(TorchDispatchMode):
         if name in _INDEXED and _bool_index(args):
             self._flag("data-dependent", str(func), "boolean-mask index")
         out = func(*args, **kwargs)
+        gather = name in _GATHERS and (
+            self.stores is None
+            or (isinstance(args[0], torch.Tensor) and _ptr(args[0]) in self.stores)
+        )
         flat, _ = tree_flatten(out)
         for t in flat:
             if not isinstance(t, torch.Tensor):
                 continue
-            if name in _GATHERS and t.numel() * t.element_size() > self.cap:
+            if gather and t.numel() * t.element_size() > self.cap:
                 self._flag("gather", str(func), f"{t.numel() * t.element_size()} bytes")
-            if t.dtype == torch.int64 and t.numel() and t.device.type != "meta":
+            if t.dtype == torch.int64 and t.numel() and _computes_values(func):
                 lo, hi = int(t.min()), int(t.max())
                 if lo < INT32_MIN or hi > INT32_MAX:
                     self._flag("int64", str(func), f"values {lo}..{hi}")
@@ -95,6 +102,19 @@ class StepGuard(TorchDispatchMode):
 
     def by_kind(self, kind: str) -> list[Violation]:
         return [v for v in self.violations if v.kind == kind]
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _computes_values(func) -> bool:
+    """False for ops whose int64 output holds no new values: uninitialised allocations (empty*)
+    and views of an earlier result (checked when that was produced)."""
+    if func.overloadpacket.__name__.startswith(("empty", "new_empty")):
+        return False
+    rets = func._schema.returns
+    return not any(r.alias_info is not None and not r.alias_info.is_write for r in rets)
 
 
 def _bool_index(args) -> bool:

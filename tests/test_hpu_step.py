@@ -1,0 +1,139 @@
+"""A whole prefill and a whole decode step of a test model through the hpu backend, on the fake,
+under the dispatch guard.
+
+Two builds of the same MXFP4 model (the embedded default, converted; sparse DSA):
+- "seam": the model as built with `get_backend("hpu").ops()`: routed experts through the native
+  MoE op (fake), DSA selection through the int32 bisection. Everything else is the model's own
+  CPU math (attention, index scores, norms, rope are not in `Ops` yet).
+- "all": additionally every other hpu function patched in at the CPU reference's call site
+  (index scores, sparse attention, RMSNorm, RoPE and its device table; FusedSDPA/absorbed in
+  the dense mode): the stand-in for the wiring still to do, proving the functions are drop-in.
+Both equal the CPU reference step; the guard lists what a Gaudi graph could not take, and every
+item it finds is in the model files still to be wired through the seam.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import hpu_fake
+import pytest
+import torch
+
+from dist_glm5.backends import get_backend
+from dist_glm5.backends.hpu import attention, indexer, norm_rope, runtime
+from dist_glm5.backends.hpu.buckets import BucketConfig, Linear
+from dist_glm5.backends.hpu.guard import StepGuard
+from dist_glm5.checkpoint.loader import load_model
+from dist_glm5.model import dsa, mla, norm
+from dist_glm5.model import indexer as cpu_indexer
+from dist_glm5.model.dsa import DSAConfig
+from dist_glm5.model.kv_cache import Chunk
+from dist_glm5.ops import reference_ops
+
+log = logging.getLogger(__name__)
+fake_hf = hpu_fake.fake_hf
+BUCKETS = BucketConfig(block_size=16, max_model_len=256, prompt_query=Linear(16, 16, 128),
+                       decode_bs=Linear(1, 2, 4))  # fmt: skip
+PROMPT = 80  # a prefill bucket, above index_topk (64): selection is exercised
+CAP = 32 * 1024  # small: the sparse paths split their gathers into several capped chunks
+# where the guard finds what a Gaudi graph cannot take today: all in files not yet wired
+PENDING = {
+    "dist_glm5/model/mla.py": "bool-mask row selection `g.tok[bi][g.valid[bi]]` in _sparse",
+    "dist_glm5/model/kv_cache.py": "`int(table[0])` in KeySlots.first (decode padding slot)",
+    "dist_glm5/model/rope.py": "`int(positions.max())` in RopeTable.lookup",
+    "dist_glm5/model/dsa.py": "`nonzero` of the union in sparse_prefill beyond dense_threshold",
+}
+
+
+@pytest.fixture(scope="module")
+def mx_dir(default_model_dir, tmp_path_factory):
+    from dist_glm5.convert.glm53 import convert_glm53
+
+    d = tmp_path_factory.mktemp("mx_hpu")
+    convert_glm53(default_model_dir, d)
+    return d
+
+
+def patch_all_hpu(monkeypatch, model, mode):
+    """Every hpu function at its CPU reference's call site (test-only stand-in for the wiring)."""
+    monkeypatch.setattr(dsa, "index_scores", indexer.index_scores)
+    monkeypatch.setattr(dsa, "attend_gathered", attention.attend_gathered)
+    monkeypatch.setattr(dsa, "attend_absorbed_chunked", attention.attend_absorbed_chunked)
+    monkeypatch.setattr(mla, "index_scores", indexer.index_scores)
+    monkeypatch.setattr(mla, "select_topk_reference", indexer.select_topk)
+    monkeypatch.setattr(mla, "mla_expanded", attention.mla_expanded)
+    monkeypatch.setattr(mla, "mla_absorbed", attention.mla_absorbed)
+    monkeypatch.setattr(mla, "apply_rope", norm_rope.apply_rope)
+    monkeypatch.setattr(cpu_indexer, "apply_rope", norm_rope.apply_rope)
+    monkeypatch.setattr(norm, "rms_norm", norm_rope.rms_norm)
+    model.rope = norm_rope.DeviceRopeTable.from_host(model.rope, BUCKETS.max_model_len, "cpu")
+
+
+def run_steps(model, guard_cap=None):
+    """Prefill two sequences (one chunk each), then decode both in one step; returns the last
+    hidden rows of each step and the guard of every step."""
+    cache = model.new_cache(40, BUCKETS.block_size)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (PROMPT,), generator=g) for _ in range(2)]
+    outs, guards = [], []
+    steps = [([Chunk(i, 0, PROMPT)], p) for i, p in enumerate(prompts)]
+    steps.append(([Chunk(0, PROMPT, 1), Chunk(1, PROMPT, 1)], torch.tensor([7, 9])))
+    for chunks, ids in steps:
+        batch = cache.prepare(chunks)
+        stores = [*cache.kv.values(), *cache.index_k.values()]
+        guard = StepGuard(guard_cap or 1 << 40, stores)
+        with torch.no_grad(), guard:
+            h, _ = model(ids, batch, cache)
+            outs.append(model.final_norm(h[[b - 1 for _, b in batch.spans]]))
+        guards.append(guard)
+    return outs, guards
+
+
+def sites(guards):
+    return collections.Counter(
+        (v.kind, v.where.split(":")[0]) for g in guards for v in g.violations
+    )
+
+
+@pytest.mark.parametrize("variant,mode", [("seam", "sparse"), ("all", "sparse"), ("all", "dense")])
+def test_prefill_and_decode_through_the_hpu_backend(fake_hf, monkeypatch, mx_dir, variant, mode):
+    dsa_cfg = DSAConfig(mode="sparse" if mode == "sparse" else "reference", gather_cap_bytes=CAP)
+    want, _ = run_steps(load_model(mx_dir, ops=reference_ops()).set_dsa(dsa_cfg))
+
+    model = load_model(mx_dir, ops=get_backend("hpu").ops()).set_dsa(dsa_cfg)
+    assert model.ops.name == "hpu" and model.ops.experts.name == "hpu-native"
+    if variant == "all":
+        patch_all_hpu(monkeypatch, model, mode)
+    layers = [model.model.layers[str(i)] for i in model.layer_range]
+    runtime.add_layer_mark_steps(layers)
+    assert runtime.wrap_graph(model) is model
+    got, guards = run_steps(model, CAP if mode == "sparse" else None)
+
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    names = [r[0] for r in fake_hf.RECORD]
+    # HPU graph wrap once, lazy mode, tensor cache off; one mark_step per decoder layer per step
+    ((args, kw),) = fake_hf.calls("hpu.wrap_in_hpu_graph")
+    assert kw["disable_tensor_cache"] is True
+    assert names.count("core.mark_step") == 3 * len(layers)
+    # every native-op call is sized by the bucket table (prefill chunk, decode batch)
+    moe = [a[0].shape[0] for a, _ in fake_hf.calls("moe.mxfp4_fused_weights")]
+    n_moe = sum(model.cfg.is_moe_layer(i) for i in model.layer_range)
+    assert moe == [PROMPT] * n_moe * 2 + [2] * n_moe
+    assert PROMPT in BUCKETS.table("prompt_query") and 2 in BUCKETS.table("decode_bs")
+    if variant == "all" and mode == "dense":
+        sdpa = fake_hf.calls("FusedSDPA.apply")
+        assert sdpa and all(a[7] == "None" and a[0].shape[2] == PROMPT for a, _ in sdpa)
+        assert fake_hf.calls("FusedRMSNorm.apply")
+    found = sites(guards)
+    for g in guards:
+        assert not g.by_kind("int64"), g.by_kind("int64")  # nothing would wrap in lazy mode
+        assert not g.by_kind("gather"), g.by_kind("gather")  # every gather under the cap
+    outside = {w for _, w in found if w not in PENDING}
+    assert not outside, f"the seam or the hpu package did something a graph cannot: {outside}"
+    log.info("%s/%s: not yet through the seam: %s", variant, mode, dict(found))
+    if variant == "all" and mode == "sparse":
+        # with the rope table on the device, what is left is exactly the pending call sites
+        assert {w for _, w in found} == {"dist_glm5/model/mla.py", "dist_glm5/model/kv_cache.py"}
