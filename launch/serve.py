@@ -111,11 +111,16 @@ def run(args: argparse.Namespace) -> int:
     check(cfg, layout, args.ctx, fmt, **kw)
     if args.backend == "hpu":
         from dist_glm5.backends import get_backend
+        from dist_glm5.backends.hpu import env as hpu_env
 
-        get_backend("hpu")  # says clearly what is missing on a machine without Gaudi
+        for k, v in hpu_env.apply_defaults().items():  # only what the user left unset
+            log.warning("hpu: %s=%s (default; export it to override)", k, v)
+        backend = get_backend("hpu")  # says clearly what is missing on a machine without Gaudi
         raise RuntimeError(
-            "serving on hpu needs the Gaudi MoE/attention kernels, which are not part of this "
-            "build; use --backend cpu, or --dry-run to plan"
+            f"the hpu backend loads (ops {backend.ops().name!r}: native MXFP4 MoE, int32 top-k) "
+            "but the engine does not build its workers on it yet: attention, norms and rope run "
+            "the CPU math and stages use the gloo communicator (README: Running on Gaudi 2); "
+            "use --backend cpu, or --dry-run to plan"
         )
     return serve(args, d, cfg)
 

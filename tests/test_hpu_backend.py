@@ -1,0 +1,168 @@
+"""Loading the hpu backend (with the fake, and without any Gaudi stack), its environment defaults,
+the execution-mode plumbing, bucket tables, warm-up and the launch path."""
+
+from __future__ import annotations
+
+import logging
+
+import hpu_fake
+import pytest
+import torch
+
+from dist_glm5.backends import get_backend
+from dist_glm5.backends.hpu import _hf, env, runtime, warmup
+from dist_glm5.backends.hpu.buckets import (
+    BucketConfig,
+    Exp,
+    Linear,
+    find_bucket,
+    pad_decode,
+    pad_prefill,
+)
+
+fake_hf = hpu_fake.fake_hf
+
+
+def test_load_with_the_fake(fake_hf):
+    b = get_backend("hpu")
+    assert (b.name, b.device, b.dist_backend) == ("hpu", "hpu", "hccl")
+    ops = b.ops()
+    from dist_glm5.backends.hpu import indexer, moe
+
+    assert ops.experts is moe.HPU_EXPERTS and ops.select_topk is indexer.select_topk
+
+
+def test_without_the_stack_the_error_says_what_is_missing():
+    hpu_fake.uninstall()
+    with pytest.raises(RuntimeError, match="habana_frameworks.*--backend cpu"):
+        get_backend("hpu")
+    with pytest.raises(RuntimeError, match="habana_frameworks"):
+        _hf.fused_sdpa()
+
+
+def test_env_defaults_only_where_unset_and_logged(caplog):
+    with caplog.at_level(logging.INFO, logger=env.__name__):
+        e: dict[str, str] = {}
+        assert (
+            env.apply_defaults(e)
+            == e
+            == {
+                "PT_HPU_LAZY_MODE": "1",
+                "PT_HPU_ENABLE_LAZY_COLLECTIVES": "true",
+            }
+        )
+    assert "PT_HPU_LAZY_MODE=1 (default" in caplog.text
+    e = {"PT_HPU_LAZY_MODE": "0"}  # compiled mode: no lazy collectives default
+    assert env.apply_defaults(e) == {} and e == {"PT_HPU_LAZY_MODE": "0"}
+    e = {"PT_HPU_ENABLE_LAZY_COLLECTIVES": "false"}
+    assert env.apply_defaults(e) == {"PT_HPU_LAZY_MODE": "1"}
+    assert e["PT_HPU_ENABLE_LAZY_COLLECTIVES"] == "false"
+
+
+@pytest.mark.parametrize("lazy", ["0", "1"])
+def test_runtime_mode_plumbing(fake_hf, monkeypatch, lazy):
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", lazy)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    runtime.mark_step()
+    assert runtime.wrap_graph(m) is m
+    hooks = runtime.add_layer_mark_steps(list(m))
+    m(torch.zeros(1, 4))
+    names = [r[0] for r in fake_hf.RECORD]
+    if lazy == "1":
+        assert names == ["core.mark_step", "hpu.wrap_in_hpu_graph"] + ["core.mark_step"] * 2
+        assert len(hooks) == 2
+    else:  # compiled mode: no graphs, no mark_step
+        assert names == [] and hooks == []
+        f = runtime.compile_region(lambda x: x + 1)
+        assert torch.equal(f(torch.zeros(2)), torch.ones(2))
+        assert [r[0] for r in fake_hf.RECORD] == ["compile.hpu_backend"]
+
+
+def test_bucket_tables_up_to_637k():
+    cfg = BucketConfig()
+    for name in ("prompt_bs", "prompt_query", "prompt_ctx", "decode_bs", "decode_ctx"):
+        t = cfg.table(name)
+        assert list(t) == sorted(set(t)) and t[0] >= 1
+    blocks = -(-652_288 // 128)
+    assert cfg.table("decode_ctx")[-1] == blocks == 5096
+    assert cfg.table("prompt_query") == (128, 256, 512, 1024, 2048, 3072, 4096, 5120, 6144,
+                                         7168, 8192)  # fmt: skip
+    assert BucketConfig() == cfg and cfg.decode_buckets() == BucketConfig().decode_buckets()
+    assert len(cfg.prompt_buckets()) == 275 and len(cfg.decode_buckets()) == 175
+    for dim in (Linear(1, 32, 64), Exp(1, blocks, 2), Linear(3, 10, 95)):
+        t = dim.values()
+        for n in (1, 2, 5, 31, 33, 64, 95, 1000, blocks):
+            if n <= t[-1] and n >= t[0]:
+                assert find_bucket(t, n) >= n
+                assert all(v < n for v in t if v < find_bucket(t, n))
+    with pytest.raises(ValueError, match="above the largest bucket"):
+        find_bucket(cfg.table("decode_bs"), 65)
+    env_cfg = BucketConfig.from_env({"DIST_GLM5_DECODE_BS_BUCKET_MIN": "2",
+                                     "DIST_GLM5_DECODE_BS_BUCKET_STEP": "8",
+                                     "DIST_GLM5_DECODE_BS_BUCKET_MAX": "24"})  # fmt: skip
+    assert env_cfg.table("decode_bs") == (2, 4, 8, 16, 24)
+    with pytest.raises(ValueError, match="set all of"):
+        BucketConfig.from_env({"DIST_GLM5_DECODE_BS_BUCKET_MIN": "2"})
+
+
+def test_padding_never_fully_masks_a_row():
+    cfg = BucketConfig(block_size=16, max_model_len=4096)
+    p = pad_decode(cfg, [5, 300, 17])
+    assert p.bucket[0] == 4 and p.bucket[1] * 16 >= 300 and p.real == 3
+    assert p.rows == (0, 1, 2, 0) and min(p.lengths) >= 1 and p.lengths[3] == p.lengths[0]
+    # a pad row's keys: positions < its length are valid, so it keeps at least its own key
+    keys = torch.arange(p.bucket[1] * 16)[None] < torch.tensor(p.lengths)[:, None]
+    assert bool(keys.any(-1).all())
+    q = pad_prefill(cfg, 100, 1000)
+    assert q.bucket[1] >= 100 and q.bucket[2] * 16 >= 1000 and pad_prefill(cfg, 1, 0).bucket[2] == 0
+    with pytest.raises(ValueError, match="at least its own key"):
+        pad_decode(cfg, [0])
+
+
+def test_warmup_runs_each_bucket_once_under_compile_only(fake_hf, tmp_path, caplog):
+    timer = tmp_path / "timeout_locked"
+    timer.write_text("600\n")
+    assert warmup.read_timeout_locked(timer) == 600
+    assert warmup.read_timeout_locked(tmp_path / "absent") is None
+    ran = []
+    ticks = iter(range(0, 10_000, 100))  # each bucket "takes" 100 s
+    with caplog.at_level(logging.INFO, logger=warmup.__name__):
+        times = warmup.warmup(
+            [(1, 8), (2, 8)], ran.append, timeout_s=150, clock=lambda: next(ticks)
+        )
+    assert ran == [(1, 8), (2, 8)] and [t.seconds for t in times] == [100, 100]
+    names = [r[0] for r in fake_hf.RECORD]
+    one = ["bridge_config.env_setting.enter", "bridge_config.env_setting.exit",
+           "core.mark_step", "hpu.synchronize"]  # fmt: skip
+    assert names == one * 2
+    assert fake_hf.RECORD[0][1] == ("PT_COMPILE_ONLY_MODE", True)
+    assert "over 50% of timeout_locked=150" in caplog.text
+    with pytest.raises(RuntimeError, match="timeout_locked=150"):
+        warmup.check_timer(times, 150)
+    warmup.check_timer(times, 600)  # under half the timer: fine
+    warmup.check_timer(times, 0)  # timer disabled
+
+
+def test_launch_hpu_without_the_stack_and_with_the_fake(
+    default_model_dir, capsys, caplog, monkeypatch
+):
+    from dist_glm5.launch.cli import main
+
+    for k in ("PT_HPU_LAZY_MODE", "PT_HPU_ENABLE_LAZY_COLLECTIVES"):
+        monkeypatch.delenv(k, raising=False)
+    argv = ["launch", "single-node", "--model", str(default_model_dir), "--backend", "hpu",
+            "--ctx", "4k"]  # fmt: skip
+    hpu_fake.uninstall()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "habana_frameworks" in err and "--backend cpu" in err
+    monkeypatch.delenv("PT_HPU_LAZY_MODE")
+    monkeypatch.delenv("PT_HPU_ENABLE_LAZY_COLLECTIVES")
+    hpu_fake.install()
+    try:
+        assert main(argv) == 2
+    finally:
+        hpu_fake.uninstall()
+    err = capsys.readouterr().err
+    assert "does not build its workers" in err
+    assert "hpu: PT_HPU_LAZY_MODE=1 (default" in caplog.text  # the defaults it set, said
