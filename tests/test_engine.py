@@ -225,6 +225,13 @@ def test_engine_memory_is_flat_over_many_requests(default_model_dir):
             assert _events(h)[-1][0] == "done"
             refs.append(weakref.ref(h.seq))
 
+    def idle():
+        for _ in range(200):
+            if not c.has_work:
+                return
+            time.sleep(0.05)
+        raise AssertionError("the engine never went idle")
+
     def sizes():
         s = c.scheduler
         m = loop.metrics_snapshot()
@@ -236,10 +243,10 @@ def test_engine_memory_is_flat_over_many_requests(default_model_dir):
 
     try:
         wave(10)
-        time.sleep(0.2)  # the release of the last ones rides the next (empty) plan
+        idle()  # the release of the last ones rides the next (empty) plan
         first, kinds = sizes(), len(c.scheduler.kinds)
         wave(40)
-        time.sleep(0.2)
+        idle()
         assert sizes() == first and first[:8] == (0,) * 8
         assert len(c.scheduler.kinds) <= 4096 and kinds > 0
         assert loop.metrics_snapshot().e2e.count == 50
