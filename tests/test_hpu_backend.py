@@ -166,3 +166,19 @@ def test_launch_hpu_without_the_stack_and_with_the_fake(
     err = capsys.readouterr().err
     assert "does not build its workers" in err
     assert "hpu: PT_HPU_LAZY_MODE=1 (default" in caplog.text  # the defaults it set, said
+
+
+def test_first_run_probes_run_on_the_fake(fake_hf):
+    """The probes of the open items (run on the card with --device hpu) at toy sizes on the CPU:
+    the script itself works and its references agree where nothing is Gaudi-specific."""
+    from dist_glm5.backends.hpu import probe
+
+    r = probe.mxfp4("cpu", H=512, I=256, E=4, k=2)
+    assert all(row["rel_err"] < 2e-2 for row in r["rows"])
+    r = probe.sdpa("cpu", n=16, L=64, h=2)
+    assert set(r) == {"None", "fp32"} and all(v["worst_row_cos"] > 0.999 for v in r.values())
+    r = probe.topk("cpu", L=5000, k=64, rows=2)
+    assert r["bisection_exact"] and r["topk_exact"]
+    assert probe.rmsnorm("cpu", D=64, T=8)["reference_order_bits_differ"] == 0
+    assert probe.tpc("cpu") == {"built": False}
+    assert "timeout_locked_s" in probe.timer("cpu")
