@@ -8,6 +8,7 @@ reference, and whether the fallback runs when the kernel cannot.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -22,7 +23,7 @@ from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.kernels import mxfp4_moe
 from dist_glm5.model.indexer import select_topk_reference
 from dist_glm5.model.reference_loop import full_logits, generate
-from dist_glm5.ops import Ops, reference_ops
+from dist_glm5.ops import reference_ops
 from dist_glm5.ops.experts import ExpertsOps
 from dist_glm5.ops.topk import select_topk_bisect, select_topk_sorted
 from dist_glm5.sampling.params import SamplingParams
@@ -52,7 +53,9 @@ def test_the_cpu_backend_chooses_the_kernel_and_the_model_runs_it(mx_dir):
         calls.append((ids.dtype, lo, hi, tuple(w13.shape)))
         return mxfp4_moe.moe_mxfp4(*args)
 
-    spy = Ops("spy", ExpertsOps("spy", recording, ops.experts.dense), ops.select_topk)
+    spy = dataclasses.replace(
+        ops, name="spy", experts=ExpertsOps("spy", recording, ops.experts.dense)
+    )
     m = load_model(mx_dir, ops=spy, experts=range(8, 16))
     full_logits(m, [1, 2, 3])
     moe_layers = [i for i in range(m.cfg.num_hidden_layers) if m.cfg.is_moe_layer(i)]

@@ -1,15 +1,13 @@
 """A whole prefill and a whole decode step of a test model through the hpu backend, on the fake,
 under the dispatch guard.
 
-Two builds of the same MXFP4 model (the embedded default, converted; sparse DSA):
-- "seam": the model as built with `get_backend("hpu").ops()`: routed experts through the native
-  MoE op (fake), DSA selection through the int32 bisection. Everything else is the model's own
-  CPU math (attention, index scores, norms, rope are not in `Ops` yet).
-- "all": additionally every other hpu function patched in at the CPU reference's call site
-  (index scores, sparse attention, RMSNorm, RoPE and its device table; FusedSDPA/absorbed in
-  the dense mode): the stand-in for the wiring still to do, proving the functions are drop-in.
-Both equal the CPU reference step; the guard lists what a Gaudi graph could not take, and every
-item it finds is in the model files still to be wired through the seam.
+The MXFP4 model (the embedded default, converted) is built with `get_backend("hpu").ops()`: routed
+experts through the native MoE op (fake), DSA selection through the int32 bisection, index scores,
+attention (FusedSDPA / absorbed in the dense mode, gathered and chunked in the sparse one),
+RMSNorm and RoPE through the hpu package, every one chosen at construction through the seam. Only
+the RoPE table is swapped by hand for the device table (the backend does not build it yet). The
+step equals the CPU reference step; the guard lists what a Gaudi graph could not take, and every
+item it finds is in a model file named in PENDING.
 """
 
 from __future__ import annotations
@@ -22,12 +20,10 @@ import pytest
 import torch
 
 from dist_glm5.backends import get_backend
-from dist_glm5.backends.hpu import attention, indexer, norm_rope, runtime
+from dist_glm5.backends.hpu import norm_rope, runtime
 from dist_glm5.backends.hpu.buckets import BucketConfig, Linear
 from dist_glm5.backends.hpu.guard import StepGuard
 from dist_glm5.checkpoint.loader import load_model
-from dist_glm5.model import dsa, mla, norm
-from dist_glm5.model import indexer as cpu_indexer
 from dist_glm5.model.dsa import DSAConfig
 from dist_glm5.model.kv_cache import Chunk
 from dist_glm5.ops import reference_ops
@@ -56,21 +52,6 @@ def mx_dir(default_model_dir, tmp_path_factory):
     return d
 
 
-def patch_all_hpu(monkeypatch, model, mode):
-    """Every hpu function at its CPU reference's call site (test-only stand-in for the wiring)."""
-    monkeypatch.setattr(dsa, "index_scores", indexer.index_scores)
-    monkeypatch.setattr(dsa, "attend_gathered", attention.attend_gathered)
-    monkeypatch.setattr(dsa, "attend_absorbed_chunked", attention.attend_absorbed_chunked)
-    monkeypatch.setattr(mla, "index_scores", indexer.index_scores)
-    monkeypatch.setattr(mla, "select_topk_reference", indexer.select_topk)
-    monkeypatch.setattr(mla, "mla_expanded", attention.mla_expanded)
-    monkeypatch.setattr(mla, "mla_absorbed", attention.mla_absorbed)
-    monkeypatch.setattr(mla, "apply_rope", norm_rope.apply_rope)
-    monkeypatch.setattr(cpu_indexer, "apply_rope", norm_rope.apply_rope)
-    monkeypatch.setattr(norm, "rms_norm", norm_rope.rms_norm)
-    model.rope = norm_rope.DeviceRopeTable.from_host(model.rope, BUCKETS.max_model_len, "cpu")
-
-
 def run_steps(model, guard_cap=None):
     """Prefill two sequences (one chunk each), then decode both in one step; returns the last
     hidden rows of each step and the guard of every step."""
@@ -97,15 +78,14 @@ def sites(guards):
     )
 
 
-@pytest.mark.parametrize("variant,mode", [("seam", "sparse"), ("all", "sparse"), ("all", "dense")])
-def test_prefill_and_decode_through_the_hpu_backend(fake_hf, monkeypatch, mx_dir, variant, mode):
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_prefill_and_decode_through_the_hpu_backend(fake_hf, mx_dir, mode):
     dsa_cfg = DSAConfig(mode="sparse" if mode == "sparse" else "reference", gather_cap_bytes=CAP)
     want, _ = run_steps(load_model(mx_dir, ops=reference_ops()).set_dsa(dsa_cfg))
 
     model = load_model(mx_dir, ops=get_backend("hpu").ops()).set_dsa(dsa_cfg)
     assert model.ops.name == "hpu" and model.ops.experts.name == "hpu-native"
-    if variant == "all":
-        patch_all_hpu(monkeypatch, model, mode)
+    model.rope = norm_rope.DeviceRopeTable.from_host(model.rope, BUCKETS.max_model_len, "cpu")
     layers = [model.model.layers[str(i)] for i in model.layer_range]
     runtime.add_layer_mark_steps(layers)
     assert runtime.wrap_graph(model) is model
@@ -123,7 +103,7 @@ def test_prefill_and_decode_through_the_hpu_backend(fake_hf, monkeypatch, mx_dir
     n_moe = sum(model.cfg.is_moe_layer(i) for i in model.layer_range)
     assert moe == [PROMPT] * n_moe * 2 + [2] * n_moe
     assert PROMPT in BUCKETS.table("prompt_query") and 2 in BUCKETS.table("decode_bs")
-    if variant == "all" and mode == "dense":
+    if mode == "dense":
         sdpa = fake_hf.calls("FusedSDPA.apply")
         assert sdpa and all(a[7] == "None" and a[0].shape[2] == PROMPT for a, _ in sdpa)
         assert fake_hf.calls("FusedRMSNorm.apply")
@@ -133,7 +113,7 @@ def test_prefill_and_decode_through_the_hpu_backend(fake_hf, monkeypatch, mx_dir
         assert not g.by_kind("gather"), g.by_kind("gather")  # every gather under the cap
     outside = {w for _, w in found if w not in PENDING}
     assert not outside, f"the seam or the hpu package did something a graph cannot: {outside}"
-    log.info("%s/%s: not yet through the seam: %s", variant, mode, dict(found))
-    if variant == "all" and mode == "sparse":
+    log.info("%s: not yet through the seam: %s", mode, dict(found))
+    if mode == "sparse":
         # with the rope table on the device, what is left is exactly the pending call sites
         assert {w for _, w in found} == {"dist_glm5/model/mla.py", "dist_glm5/model/kv_cache.py"}

@@ -1,9 +1,10 @@
 """CPU backend: the reference. Plain torch, gloo between processes, and per hot op the fastest
 exact method on this CPU: the packed MXFP4 kernel (reference fallback when it cannot build) and
-torch.topk selection."""
+torch.topk selection; the other ops are the references themselves."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from . import Backend
@@ -11,12 +12,17 @@ from . import Backend
 
 @functools.cache
 def cpu_ops():
-    from dist_glm5.ops import Ops
+    from dist_glm5.ops import reference_ops
     from dist_glm5.ops.experts import cpu_experts_ops
     from dist_glm5.ops.topk import select_topk_sorted
 
     experts = cpu_experts_ops()
-    return Ops(f"cpu({experts.name})", experts, select_topk_sorted)
+    return dataclasses.replace(
+        reference_ops(),
+        name=f"cpu({experts.name})",
+        experts=experts,
+        select_topk=select_topk_sorted,
+    )
 
 
 def load() -> Backend:

@@ -29,7 +29,7 @@ import torch
 from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.model.indexer import index_scores
 from dist_glm5.model.kv_cache import KeySlots
-from dist_glm5.ops.topk import select_topk_bisect
+from dist_glm5.ops import Ops, reference_ops
 
 GIB = 1 << 30
 
@@ -91,14 +91,15 @@ def index_scores_capped(
     keys: KeySlots,
     head_dim: int,
     cap: int,
+    scores_fn=index_scores,
 ) -> torch.Tensor:
     """q [n, Hi, D], w [n, Hi] fp32, keys of L positions -> scores [n, L] fp32, keys gathered in
-    capped chunks."""
+    capped chunks, each scored by `scores_fn` (the backend's index_scores)."""
     n, L = q.shape[0], len(keys)
     out = torch.empty(n, L, dtype=torch.float32)
     per = index_key_rows(n, q.shape[1], idx_store.shape[1] * idx_store.element_size(), cap)
     for a, b, by_blocks in key_ranges(L, per, keys.block_size):
-        out[:, a:b] = index_scores(q, w, gather_keys(idx_store, keys, a, b, by_blocks), head_dim)
+        out[:, a:b] = scores_fn(q, w, gather_keys(idx_store, keys, a, b, by_blocks), head_dim)
     return out
 
 
@@ -147,10 +148,10 @@ def select(
     head_dim: int,
     cfg: DSAConfig,
     row_split: tuple[int, int, Callable] | None = None,
-    select_topk: Callable = select_topk_bisect,
+    ops: Ops | None = None,
 ) -> torch.Tensor:
-    """Keep-mask [n, L] for n query rows over the sequence's L keys (exact top-k by
-    `select_topk`, the backend's choice; capped gathers).
+    """Keep-mask [n, L] for n query rows over the sequence's L keys (the backend's index scores
+    and exact top-k; capped gathers).
 
     row_split = (rank, ranks, all_gather_packed): each rank scores its share of the rows and the
     ranks exchange bit-packed masks, so every rank ends with all rows' selections."""
@@ -160,12 +161,15 @@ def select(
         rank, ranks, exchange = row_split
         per = -(-n // ranks)
         rows = range(min(n, rank * per), min(n, (rank + 1) * per))
+    ops = ops or reference_ops()
     keep = torch.zeros(len(rows), L, dtype=torch.bool)
     step = score_rows(cfg, L)
     for a in range(rows.start, rows.stop, step):
         b = min(rows.stop, a + step)
-        s = index_scores_capped(q[a:b], w[a:b], idx_store, keys, head_dim, cfg.gather_cap_bytes)
-        keep[a - rows.start : b - rows.start] = select_topk(s, q_pos[a:b], topk)
+        s = index_scores_capped(
+            q[a:b], w[a:b], idx_store, keys, head_dim, cfg.gather_cap_bytes, ops.index_scores
+        )
+        keep[a - rows.start : b - rows.start] = ops.select_topk(s, q_pos[a:b], topk)
     if row_split is not None:
         keep = exchange(keep, n, L)
     return keep
@@ -277,9 +281,12 @@ def sparse_prefill(
     kv_lora: int,
     scale: float,
     cfg: DSAConfig,
+    ops: Ops | None = None,
 ) -> torch.Tensor:
-    """Prefill rows [n] over L keys: per window, the union of selections, or dense with the mask."""
+    """Prefill rows [n] over L keys: per window, the union of selections, or dense with the mask
+    (attention by the backend's attend_absorbed_chunked)."""
     n, L = keep.shape
+    attend_absorbed_chunked = (ops or reference_ops()).attend_absorbed_chunked
     out = torch.empty(n, q_lat.shape[1], q_lat.shape[2])
     for a in range(0, n, cfg.window):
         b = min(n, a + cfg.window)

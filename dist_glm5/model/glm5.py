@@ -39,7 +39,7 @@ class Trunk(nn.Module):
             for j in range(cfg.num_nextn_predict_layers):
                 n = cfg.num_hidden_layers + j
                 self.layers[str(n)] = MTPLayer(cfg, n, ops, experts)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops) if head else None
 
 
 class Glm5Model(nn.Module):

@@ -17,11 +17,13 @@ from torch import nn
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.norm import LayerNorm
 from dist_glm5.model.rope import apply_rope
+from dist_glm5.ops import Ops
 
 
 class Indexer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: Ops | None = None):
         super().__init__()
+        self.apply_rope = ops.apply_rope if ops else apply_rope  # the backend's, or the reference
         self.n_heads = cfg.index_n_heads
         self.head_dim = cfg.index_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
@@ -42,8 +44,9 @@ class Indexer(nn.Module):
         k = self.k_norm(self.wk(x))
         # The indexer ropes its FIRST rope_dim dims (MLA ropes its last ones).
         r = self.rope_dim
-        q = torch.cat([apply_rope(q[..., :r], cos, sin, self.interleave), q[..., r:]], dim=-1)
-        k = torch.cat([apply_rope(k[..., :r], cos, sin, self.interleave), k[..., r:]], dim=-1)
+        rope = self.apply_rope
+        q = torch.cat([rope(q[..., :r], cos, sin, self.interleave), q[..., r:]], dim=-1)
+        k = torch.cat([rope(k[..., :r], cos, sin, self.interleave), k[..., r:]], dim=-1)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
         return q, k, w
 

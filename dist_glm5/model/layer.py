@@ -19,9 +19,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ops: Ops, experts: range | None = None):
         super().__init__()
         self.layer = layer
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.self_attn = MLA(cfg, layer, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = (
             MoE(cfg, ops, experts)
             if cfg.is_moe_layer(layer)

@@ -18,12 +18,10 @@ from torch import nn
 from dist_glm5.model import dsa
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa import DSAConfig
-from dist_glm5.model.indexer import Indexer, index_scores, select_topk_reference
+from dist_glm5.model.indexer import Indexer
 from dist_glm5.model.kv_cache import SMALL_CHUNK, ForwardBatch, PagedKVCache
 from dist_glm5.model.norm import RMSNorm
-from dist_glm5.model.rope import apply_rope
-from dist_glm5.ops import Ops
-from dist_glm5.ops.topk import select_topk_bisect
+from dist_glm5.ops import Ops, reference_ops
 
 
 def mla_expanded(
@@ -77,8 +75,8 @@ class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ops: Ops | None = None):
         super().__init__()
         self.layer = layer
-        # the sparse path's top-k selection: the backend's fastest exact method
-        self.select_topk = ops.select_topk if ops else select_topk_bisect
+        # the backend's hot ops (selection, index scores, attention forms, norm, rope)
+        self.ops = ops or reference_ops()
         self.n_heads = cfg.num_attention_heads
         self.nope, self.rope, self.v_dim = (
             cfg.qk_nope_head_dim,
@@ -90,17 +88,17 @@ class MLA(nn.Module):
         self.interleave = cfg.rope_interleave
         self.topk = cfg.index_topk
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
-        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, self.ops)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(
             cfg.hidden_size, cfg.kv_cache_dim, bias=cfg.attention_bias
         )
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=1e-6)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, self.ops)
         self.kv_b_proj = nn.Linear(
             cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False
         )
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
-        self.indexer = Indexer(cfg) if cfg.has_indexer(layer) else None
+        self.indexer = Indexer(cfg, self.ops) if cfg.has_indexer(layer) else None
         self.dsa = (
             DSAConfig()
         )  # set by Glm5Model.set_dsa; "reference" masks densely, "sparse" gathers
@@ -124,11 +122,11 @@ class MLA(nn.Module):
         q = self.q_b_proj(q_resid).view(T, h, self.nope + self.rope)
         q_nope, q_rot = (
             q[..., : self.nope],
-            apply_rope(q[..., self.nope :], cos, sin, self.interleave),
+            self.ops.apply_rope(q[..., self.nope :], cos, sin, self.interleave),
         )
         ckv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(ckv[:, : self.kv_lora])
-        k_rot = apply_rope(ckv[:, None, self.kv_lora :], cos, sin, self.interleave)[:, 0]
+        k_rot = self.ops.apply_rope(ckv[:, None, self.kv_lora :], cos, sin, self.interleave)[:, 0]
         kv_store = cache.kv[self.layer]
         kv_store[batch.write_slots] = torch.cat([latent, k_rot], dim=-1).to(kv_store.dtype)
 
@@ -165,7 +163,8 @@ class MLA(nn.Module):
                 keep = prev_keep[gi]
             keeps.append(keep)
             # decode-sized groups attend over the compressed latent; prefill expands it per head
-            attn = mla_absorbed if g.tok.shape[1] <= SMALL_CHUNK else mla_expanded
+            small = g.tok.shape[1] <= SMALL_CHUNK
+            attn = self.ops.mla_absorbed if small else self.ops.mla_expanded
             o = attn(
                 q_nope[g.tok],
                 q_rot[g.tok],
@@ -181,8 +180,8 @@ class MLA(nn.Module):
 
     def select_dense(self, iq, iw, keys, q_pos):
         # iq [B, n, hi, d], iw [B, n, hi], keys [B, L, d], q_pos [B, n] -> keep [B, n, L] bool
-        scores = index_scores(iq, iw, keys, self.indexer.head_dim)
-        return select_topk_reference(scores, q_pos, self.topk)
+        scores = self.ops.index_scores(iq, iw, keys, self.indexer.head_dim)
+        return self.ops.select_topk(scores, q_pos, self.topk)
 
     def select_sparse(self, iq, iw, idx_store, keys, q_pos):
         # one sequence's rows: iq [n, hi, d], iw [n, hi], its L keys (KeySlots) -> keep [n, L] bool
@@ -196,7 +195,7 @@ class MLA(nn.Module):
             self.indexer.head_dim,
             self.dsa,
             self.row_split,
-            self.select_topk,
+            self.ops,
         )
 
     def _sparse(self, x, batch, q_nope, q_rot, kv_store, iq, iw, idx_store, prev_keep, h):
@@ -229,13 +228,13 @@ class MLA(nn.Module):
                     toks_all.append((toks, q_lat))
                 else:
                     o_lat = dsa.sparse_prefill(
-                        q_lat, q_rot[toks], kv_store, keys, keep, c, self.scale, self.dsa
+                        q_lat, q_rot[toks], kv_store, keys, keep, c, self.scale, self.dsa, self.ops
                     )
                     out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(x.dtype), w_uv)
             if small:
                 toks = torch.cat([t for t, _ in toks_all])
                 q_lat = torch.cat([q for _, q in toks_all])
-                o_lat = dsa.attend_gathered(
+                o_lat = self.ops.attend_gathered(
                     q_lat,
                     q_rot[toks],
                     kv_store,

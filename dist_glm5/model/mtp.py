@@ -27,19 +27,19 @@ from dist_glm5.ops import Ops
 
 
 class SharedHead(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: Ops):
         super().__init__()
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.head: nn.Linear | None = None  # set by the loader only if the checkpoint has its own
 
 
 class MTPLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, layer: int, ops: Ops, experts: range | None = None):
         super().__init__(cfg, layer, ops, experts)
-        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.shared_head = SharedHead(cfg)
+        self.shared_head = SharedHead(cfg, ops)
         self.embed_tokens: nn.Embedding | None = None  # likewise optional
 
     def forward_mtp(

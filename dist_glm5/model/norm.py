@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_glm5.ops import Ops
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [..., D], weight: [D]. Statistics in fp32, scale applied after casting back (as
@@ -24,13 +26,14 @@ def layer_norm(
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: Ops | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.rms_norm = ops.rms_norm if ops else rms_norm  # the backend's, or the reference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return self.rms_norm(x, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):

@@ -1,7 +1,9 @@
 """Hot ops behind one interface each, the reference beside the fast path; the backend picks.
 
 `Ops` is what the model is built with (`Glm5Model(..., ops=)`): chosen once, at construction, by
-the backend (`dist_glm5.backends`), never switched by walking modules or by mode strings.
+the backend (`dist_glm5.backends`), never switched by walking modules or by mode strings. Each
+field has the signature of its CPU reference (named in `reference_ops`); a backend replaces the
+fields it has a faster or device-native version of (`dataclasses.replace(reference_ops(), ...)`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ if TYPE_CHECKING:
 
     from dist_glm5.ops.experts import ExpertsOps
 
+    Fn = Callable[..., Tensor]
+
 
 @dataclass(frozen=True)
 class Ops:
@@ -21,12 +25,39 @@ class Ops:
     experts: "ExpertsOps"  # routed experts, MXFP4 and dense (ops/experts.py)
     # (scores [..., L] fp32, q_pos [...], topk) -> keep mask [..., L]: each query's top-k causal
     # keys, ties to the earlier key (ops/topk.py)
-    select_topk: "Callable[[Tensor, Tensor, int], Tensor]"
+    select_topk: "Fn"
+    # (q [..., n, Hi, D], w [..., n, Hi], keys [..., L, D], head_dim) -> scores [..., n, L] fp32
+    index_scores: "Fn"
+    # dense MLA over a group's keys with a keep mask, expanded (prefill) and absorbed (decode):
+    # (q_nope, q_rot, latent, k_rot, w_kv_b, keep, scale, nope) -> [B, n, h, v] (model/mla.py)
+    mla_expanded: "Fn"
+    mla_absorbed: "Fn"
+    # sparse decode over each row's gathered rows, and sparse prefill over capped key chunks with
+    # an online softmax (model/dsa.py): -> latent output [n, h, c] fp32
+    attend_gathered: "Fn"
+    attend_absorbed_chunked: "Fn"
+    rms_norm: "Fn"  # (x [..., D], weight [D], eps) -> [..., D] (model/norm.py)
+    apply_rope: "Fn"  # (x [T, ..., dim], cos, sin [T, dim/2], interleave) (model/rope.py)
 
 
 def reference_ops() -> Ops:
     """The plain references: what every fast op is tested against."""
+    from dist_glm5.model import dsa, mla
+    from dist_glm5.model.indexer import index_scores
+    from dist_glm5.model.norm import rms_norm
+    from dist_glm5.model.rope import apply_rope
     from dist_glm5.ops.experts import REFERENCE
     from dist_glm5.ops.topk import select_topk_bisect
 
-    return Ops("reference", REFERENCE, select_topk_bisect)
+    return Ops(
+        name="reference",
+        experts=REFERENCE,
+        select_topk=select_topk_bisect,
+        index_scores=index_scores,
+        mla_expanded=mla.mla_expanded,
+        mla_absorbed=mla.mla_absorbed,
+        attend_gathered=dsa.attend_gathered,
+        attend_absorbed_chunked=dsa.attend_absorbed_chunked,
+        rms_norm=rms_norm,
+        apply_rope=apply_rope,
+    )

@@ -3,8 +3,8 @@
 `load()` applies the bridge's environment defaults (only where unset), imports the stack (the
 clear RuntimeError of `_hf.MISSING` on machines without it) and returns the Backend whose ops are
 the Gaudi implementations: routed experts through the native MXFP4 MoE op, int32-safe bisection
-top-k. The other hot ops of this package (attention.py, indexer.py, norm_rope.py) have the CPU
-references' signatures and wait for their fields in `dist_glm5.ops.Ops`.
+top-k and index scores, FusedSDPA / absorbed / gathered attention, fused RMSNorm and RoPE, each with
+its CPU reference's signature.
 """
 
 from __future__ import annotations
@@ -18,12 +18,26 @@ from . import _hf, env
 
 @functools.cache
 def hpu_ops():
-    from dist_glm5.ops import Ops
+    import dataclasses
 
-    from .indexer import select_topk
+    from dist_glm5.ops import reference_ops
+
+    from . import attention, indexer, norm_rope
     from .moe import HPU_EXPERTS
 
-    return Ops("hpu", HPU_EXPERTS, select_topk)
+    return dataclasses.replace(
+        reference_ops(),
+        name="hpu",
+        experts=HPU_EXPERTS,
+        select_topk=indexer.select_topk,
+        index_scores=indexer.index_scores,
+        mla_expanded=attention.mla_expanded,
+        mla_absorbed=attention.mla_absorbed,
+        attend_gathered=attention.attend_gathered,
+        attend_absorbed_chunked=attention.attend_absorbed_chunked,
+        rms_norm=norm_rope.rms_norm,
+        apply_rope=norm_rope.apply_rope,
+    )
 
 
 def load() -> Backend:
