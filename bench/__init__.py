@@ -11,6 +11,7 @@ def register(p: argparse.ArgumentParser) -> None:
     from . import (
         decode,
         encoder,
+        engine_host,
         generate_vs_hf,
         kernels,
         longctx,
@@ -52,7 +53,13 @@ def register(p: argparse.ArgumentParser) -> None:
     )
     serve.register(
         sub.add_parser(
-            "serve", help="launch -> first token, tokens/s and TTFT with 1 and 8 clients"
+            "serve",
+            help="1/8/32/64 streaming clients: TTFT, ITL, tokens/s, failures; server CPU/token",
+        )
+    )
+    engine_host.register(
+        sub.add_parser(
+            "engine-host", help="host time of one decode step (plan + metadata) vs context"
         )
     )
     pipeline.register(
