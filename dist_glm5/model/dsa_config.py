@@ -20,8 +20,17 @@ class DSAConfig:
     union_max_frac: float = 0.5  # a union above this fraction of the context attends densely
     gather_cap_bytes: int = 512 * 1024 * 1024
     indexer_row_chunk: int = 256  # query rows scored at once
+    # Prefill attention of the sparse path: "rows" = each query over its own top-k rows, gathered
+    # (cost ~ queries x top-k: the CPU's choice, measured: `bench longctx`); "windows" = the union
+    # of a window's selections as one batched GEMM, or dense with the mask below dense_threshold
+    # (Gaudi's rule: big static GEMMs, and its accuracy rule below 32K).
+    prefill_attention: str = "rows"
 
     def __post_init__(self) -> None:
+        if self.prefill_attention not in ("rows", "windows"):
+            raise ValueError(
+                f"prefill_attention {self.prefill_attention!r}: use 'rows' or 'windows'"
+            )
         if self.mode not in ("reference", "sparse"):
             raise ValueError(f"dsa mode {self.mode!r}: use 'reference' or 'sparse'")
         if self.window < 1 or self.gather_cap_bytes < 1 or not 0 < self.union_max_frac <= 1:

@@ -58,9 +58,11 @@ def index_scores(
     # relu(x * s) == s * relu(x) for s > 0: the scale rides on the head weights (one pass fewer over
     # the [n, Hi, L] buffer). Every selection path computes scores with this one function, so they
     # agree bit for bit.
-    s = torch.matmul(
-        q.float(), keys.float().transpose(-1, -2).unsqueeze(-3)
-    ).relu_()  # [..., n, Hi, L]
+    # The heads are folded into the rows of ONE GEMM ([n*Hi, D] x [D, L]), not n batched small
+    # ones: 5x faster on CPU at 16K keys, same products.
+    *lead, n, Hi, D = q.shape
+    s = torch.matmul(q.float().reshape(*lead, n * Hi, D), keys.float().transpose(-1, -2))
+    s = s.relu_().view(*lead, n, Hi, -1)  # [..., n, Hi, L]
     return torch.matmul((w * head_dim**-0.5).unsqueeze(-2), s).squeeze(-2)
 
 

@@ -17,6 +17,12 @@ import torch
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
+def count_true(mask: torch.Tensor) -> torch.Tensor:
+    """bool [..., L] -> int32 [...] Trues per row. Summing the bytes as uint8 into int32 is 10x
+    count_nonzero on CPU (which widens every element to int64 first)."""
+    return mask.view(torch.uint8).sum(-1, dtype=torch.int32)
+
+
 def ordered_keys(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> int32 keys with key(a) < key(b) iff a < b (for non-NaN a, b; -0 sorts below +0)."""
     b = x.contiguous().view(torch.int32)
@@ -119,9 +125,16 @@ def select_topk_sorted(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> 
         return causal
     s = scores.float().masked_fill(~causal, float("-inf"))
     t = torch.topk(s, topk, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # k-th largest
-    above = s > t
-    tie = s == t
-    keep = above | (tie & (tie.cumsum(-1) <= topk - above.sum(-1, keepdim=True)))
+    keep = s >= t
+    # Rows with more than k keys >= t have ties at t (or fewer than k causal keys): among those
+    # keep the earliest. Usually no row: the cumulative count runs on those rows only.
+    flat = keep.view(-1, L)
+    over = (count_true(flat) > topk).nonzero().squeeze(-1)
+    if over.numel():
+        so, to = s.reshape(-1, L)[over], t.reshape(-1, 1)[over]
+        above, tie = so > to, so == to
+        need = topk - above.sum(-1, keepdim=True)
+        flat[over] = above | (tie & (tie.cumsum(-1) <= need))
     return keep & causal
 
 
