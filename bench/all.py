@@ -23,7 +23,8 @@ def register(p: argparse.ArgumentParser) -> None:
         "--skip",
         nargs="*",
         default=[],
-        help="benchmarks to leave out (generate kernels decode encoder longctx pipeline serve)",
+        help="benchmarks to leave out (generate kernels decode encoder longctx pipeline serve "
+        "engine-host)",
     )
     p.set_defaults(func=run)
 
@@ -39,7 +40,17 @@ def _run(mod, argv: list[str]) -> dict | list:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import decode, encoder, generate_vs_hf, kernels, longctx, pipeline, roofline, serve
+    from . import (
+        decode,
+        encoder,
+        engine_host,
+        generate_vs_hf,
+        kernels,
+        longctx,
+        pipeline,
+        roofline,
+        serve,
+    )
 
     plan = [
         ("generate", generate_vs_hf, []),
@@ -49,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         ("longctx", longctx, []),
         ("pipeline", pipeline, []),
         ("serve", serve, []),
+        ("engine-host", engine_host, []),
         ("roofline", roofline, []),
     ]
     res, md = {}, ["| benchmark | measurement | value |", "|---|---|---|"]
@@ -113,10 +125,26 @@ def run(args: argparse.Namespace) -> int:
     if "serve" in res:
         s = res["serve"]
         md.append(f"| serve | launch -> first token | {s['startup_s']:.2f} s |")
-        for r in s["rows"]:
+        for r in s.get("rows", []):
             md.append(
-                f"| serve | {r['clients']} client(s): tok/s, TTFT median | "
-                f"{r['tokens_per_s']:.0f}, {r['ttft_median_ms']:.0f} ms |"
+                f"| serve | {r['clients']} streaming client(s): output tok/s; TTFT p50/p99; ITL "
+                f"p50/p99; failed | {r['tokens_per_s']:.0f}; {r.get('ttft_median_ms', 0):.0f}/"
+                f"{r.get('ttft_p99_ms', 0):.0f} ms; {r.get('itl_median_ms', 0):.0f}/"
+                f"{r.get('itl_p99_ms', 0):.0f} ms; {r['failed']} |"
+            )
+        if "cpu_per_token" in s:
+            c = s["cpu_per_token"]
+            md.append(
+                f"| serve | server CPU per streamed token, first / last {c['window']} of "
+                f"{c['tokens']} | {c['first_us']:.0f} / {c['last_us']:.0f} us ({c['ratio']:.2f}x) |"
+            )
+    if "engine-host" in res:
+        e = res["engine-host"]
+        for r in e["rows"]:
+            md.append(
+                f"| engine host | one decode step, {r['sequences']} sequences at {r['context']} "
+                f"tokens (x of {e['rows'][0]['context']}) | {r['step_ms']:.3f} ms "
+                f"({r['step_ms'] / e['rows'][0]['step_ms']:.2f}x) |"
             )
     for r in res.get("roofline", []):
         md.append(
