@@ -7,8 +7,10 @@ they run) belongs to the engine thread.
 
 `submit(prompt_ids, params, request_id=None) -> Handle`. The handle's `events` queue receives, in
 order:
-- ("delta", Delta(token_ids, text)), zero or more times. Delta is a NamedTuple, so it is also the
-  plain pair (token_ids, text): token_ids the new token ids (list[int]) since the last delta; text
+- ("delta", Delta(token_ids, text, logprobs, prompt_logprobs)), zero or more times (a NamedTuple):
+  token_ids the new token ids (list[int]) since the last delta; logprobs theirs (one dict per id,
+  when the request asked for logprobs); prompt_logprobs the prompt's, once, on the first delta
+  with ids (when asked; None otherwise); text
   the new text (str) from the engine's incremental detokenizer, "" when the model has no
   tokenizer. The server never decodes. Text may lag the ids: a multi-byte UTF-8 character split
   across tokens waits for its last token, and while the request has stop strings the last
@@ -69,6 +71,8 @@ RESTART_BACKOFF_S = 1.0  # doubled after each failed attempt
 class Delta(NamedTuple):
     token_ids: list[int]
     text: str
+    logprobs: list[dict] = []  # never mutated
+    prompt_logprobs: list[dict | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -238,7 +242,11 @@ class EngineLoop:
         upto = len(s.text) - (0 if s.finished else s.text_hold)
         text = s.text[h.text_sent : upto] if upto > h.text_sent else ""
         if toks or text:
-            h.events.put(("delta", Delta(list(toks), text)))
+            lps = s.logprobs[h.sent : h.sent + len(toks)] if s.params.logprobs is not None else []
+            plp = None
+            if toks and h.sent == 0 and s.params.prompt_logprobs is not None:
+                plp = list(s.prompt_logprobs)
+            h.events.put(("delta", Delta(list(toks), text, lps, plp)))
             h.sent = max(h.sent, len(s.output))
             h.text_sent = max(h.text_sent, upto)
         if toks:

@@ -98,7 +98,7 @@ class Coordinator:
             return seq
         self.scheduler.add(seq)
         if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, **_decode_kw(params))
         return seq
 
     def abort(self, seq: Sequence) -> None:
@@ -155,28 +155,37 @@ class Coordinator:
         """Detokenise s's new tokens and match its stop strings; True if one ended it now."""
         if s.detok is None:
             return False
+        p = s.params
         try:
             new_from = len(s.text)
-            s.text += s.detok.step(s.output)
+            ids = s.output
+            if s.finish_reason == "stop" and ids and not p.include_stop_str_in_output:
+                if ids[-1] in p.stop_token_ids or (ids[-1] in self.eos and not p.ignore_eos):
+                    ids = ids[:-1]  # as vLLM: the stop token is in the ids, not in the text
+            s.text += s.detok.step(ids)
             if s.finished:
-                s.text += s.detok.finish(s.output)
-            stops = StopStrings(s.params.stop) if s.params.stop else None
-            cut = stops.find(s.text, new_from) if stops else None
+                s.text += s.detok.finish(ids)
+            stops = StopStrings(p.stop) if p.stop else None
+            span = stops.span(s.text, new_from) if stops else None
         except Exception as e:  # this sequence's text alone: it fails, the others go on
             log.exception("sequence %d: detokenising failed", s.seq_id)
             s.error = f"sequence {s.seq_id} failed: {type(e).__name__}: {e}"
             was_running = not s.finished
             self.scheduler.finish(s, "error")
             return was_running
-        if cut is None:
+        if span is None:
             s.text_hold = 0 if s.finished or stops is None else min(len(s.text), stops.hold)
             return False
-        # the stop string and what follows are not returned; nor are the tokens that make it up
+        # what follows the stop string is not returned, nor the string itself (unless
+        # include_stop_str_in_output), nor the tokens that make it up
+        cut = span[1] if p.include_stop_str_in_output else span[0]
         s.text, s.text_hold = s.text[:cut], 0
-        while s.output and len(self.tokenizer.decode(s.output[:-1])) >= cut:
+        kw = _decode_kw(p)
+        while s.output and len(self.tokenizer.decode(s.output[:-1], **kw)) >= cut:
             s.output.pop()
-        if s.output and len(self.tokenizer.decode(s.output)) > cut:
+        if s.output and len(self.tokenizer.decode(s.output, **kw)) > cut:
             s.output.pop()
+        del s.logprobs[len(s.output) :]
         if s.finished:  # it ended by length or a stop id in the same step: the string wins
             s.finish_reason = "stop"
             return False
@@ -237,3 +246,7 @@ class Coordinator:
 
     def close(self) -> None:
         self.pipeline.close()
+
+
+def _decode_kw(p: SamplingParams) -> dict:
+    return {} if p.skip_special_tokens is None else {"skip_special_tokens": p.skip_special_tokens}

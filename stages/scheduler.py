@@ -309,7 +309,10 @@ class Scheduler:
         if len(s.output) >= p.max_tokens:
             s.finish_reason = "length"
         elif t in p.stop_token_ids or (
-            t in self.eos and not p.ignore_eos and len(s.output) > p.min_tokens - 1
+            t in self.eos
+            and not p.ignore_eos
+            # a grammar emits EOS only where it is complete (it wins over min_tokens)
+            and (len(s.output) > p.min_tokens - 1 or p.grammar is not None)
         ):
             s.finish_reason = "stop"
         return s.finished

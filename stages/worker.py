@@ -9,6 +9,14 @@ over torch.distributed.
 The cache is storage plus the block tables the plans send: the scheduler's ledger decides which
 blocks a sequence holds; a worker never allocates. A sampling failure of one sequence is reported
 in its SeqOutput and fails that sequence alone.
+
+Structured output: a sequence whose params carry a grammar gets a GrammarMatcher here, on the last
+stage, kept in step with its output: every row it samples from (a decode, a bonus token, an MTP
+proposal, the target of a draft's verification) is masked by the grammar at that row's position,
+and every emitted token is fed to the matcher. The matcher advances only on verified tokens, so a
+rejected draft leaves nothing to undo; a draft the grammar forbids has target probability 0 and is
+always rejected, and the token emitted instead comes from the masked distribution. After a
+preemption the matcher is dropped with the cache and rebuilt from the output tokens.
 """
 
 from __future__ import annotations
@@ -29,9 +37,11 @@ from dist_glm5.obs import profiler
 from dist_glm5.obs.peak_rss import peak_rss_mb
 from dist_glm5.obs.profiler import PROF
 from dist_glm5.planning.partition import expert_ranges
+from dist_glm5.sampling.grammar import GrammarMatcher
 from dist_glm5.sampling.params import SamplingParams
 from dist_glm5.sampling.rejection import verify_draft
 from dist_glm5.sampling.sampler import (
+    grammar_mask,
     make_generator,
     process_logits,
     sample_one,
@@ -54,6 +64,10 @@ class SeqState:
     gen: torch.Generator | None
     history: list[int] = field(default_factory=list)
     draft_q: torch.Tensor | None = None
+    seen: set[int] = field(default_factory=set)  # prompt tokens, for the repetition penalty
+    matcher: GrammarMatcher | None = None  # the grammar, fed `fed` tokens of the history
+    fed: int = 0
+    mask: tuple[int, torch.Tensor] | None = None  # (fed, allowed): one mask per position
 
 
 def _shard_selection(model_dir: str, spec: StageSpec) -> tuple[int | None, int | None]:
@@ -115,6 +129,7 @@ class StageWorker:
         )
         self.seqs: dict[int, SeqState] = {}
         self.eos = tuple(cfg.eos_token_id)
+        self._tokenizer = None  # loaded with the first grammar
         self.busy = 0.0
         log.info(
             "%s: layers %d..%d loaded in %.2fs",
@@ -140,6 +155,8 @@ class StageWorker:
             self.seqs.pop(sid, None)
         for sid in plan.preempted:  # its KV is recomputed later; sampling state (RNG) stays
             self.cache.release(sid)
+            if (st := self.seqs.get(sid)) is not None:  # rebuilt from the output when it resumes
+                st.matcher, st.mask = None, None
         for w in plan.work:
             self.cache.assign(w.seq_id, w.blocks)
         if not plan.work:
@@ -228,23 +245,30 @@ class StageWorker:
             for i, tok in enumerate(nxt):
                 if w.start + i + 1 >= w.prompt_logprobs_from:
                     out.prompt_logprobs.append(token_logprobs(lg[i], tok, p.prompt_logprobs))
+        if p.repetition_penalty != 1.0:  # the prompt's tokens (a decode's: the output's)
+            st.seen.update(w.tokens[: len(w.tokens) - (w.draft is not None)])
         emitted, rejected = [], False
         if w.sample:
+            self._grammar(st)
             if w.draft is None:
                 lg = m.logits(hn[b - 1 : b])[0]
-                tok = sample_one(process_logits(lg, p, st.history, self.eos), p, st.gen)
+                tok = sample_one(self._processed(st, lg, st.history), p, st.gen)
+                self._advance(st, tok)
                 emitted, rows = [tok], [lg]
             else:
                 lg = m.logits(hn[b - 2 : b])
-                pr = target_probs(process_logits(lg[0], p, st.history, self.eos), p)
+                # under a grammar the target is masked: a forbidden draft has p = 0, never accepted
+                pr = target_probs(self._processed(st, lg[0], st.history), p)
                 ok, repl = verify_draft(pr, st.draft_q, w.draft, p.greedy, st.gen)
                 out.accepted = int(ok)
                 if ok:
-                    bonus = sample_one(
-                        process_logits(lg[1], p, st.history + [w.draft], self.eos), p, st.gen
-                    )
+                    self._advance(st, w.draft)
+                    nxt = self._processed(st, lg[1], st.history + [w.draft])
+                    bonus = sample_one(nxt, p, st.gen)
+                    self._advance(st, bonus)
                     emitted, rows = [w.draft, bonus], [lg[0], lg[1]]
                 else:
+                    self._advance(st, repl)
                     emitted, rows, rejected = [repl], [lg[0]], True
             if p.logprobs is not None:
                 out.logprobs = [token_logprobs(r, t, p.logprobs) for r, t in zip(rows, emitted)]
@@ -255,12 +279,49 @@ class StageWorker:
     def propose(
         self, seq_id: int, st: SeqState, mtp_logits: torch.Tensor
     ) -> tuple[int, torch.Tensor | None]:
-        """The next draft from the MTP layer's logits: drawn like a target token (same processing),
-        with its proposal distribution q kept for the rejection sampler (None for greedy rows)."""
-        proc = process_logits(mtp_logits, st.params, st.history, self.eos)
+        """The next draft from the MTP layer's logits: drawn like a target token (same processing,
+        the same grammar mask), with its proposal distribution q kept for the rejection sampler
+        (None for greedy rows)."""
+        proc = self._processed(st, mtp_logits, st.history)
         return sample_one(proc, st.params, st.gen), None if st.params.greedy else target_probs(
             proc, st.params
         )
+
+    # ---- structured output ---------------------------------------------------------------
+    def _grammar(self, st: SeqState) -> GrammarMatcher | None:
+        """The sequence's matcher, built on first use (or after a preemption) from its output."""
+        spec = st.params.grammar
+        if spec is None or st.matcher is not None:
+            return st.matcher
+        if self._tokenizer is None:
+            from dist_glm5.checkpoint.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.spec.engine.model_dir)
+            if self._tokenizer is None:
+                raise ValueError("structured output needs the checkpoint's tokenizer")
+        st.matcher = GrammarMatcher(spec, self._tokenizer, self.cfg.vocab_size, self.eos)
+        st.fed, st.mask = 0, None
+        for t in st.history:
+            self._advance(st, t)
+        return st.matcher
+
+    def _advance(self, st: SeqState, token: int) -> None:
+        if st.matcher is None:
+            return
+        if not st.matcher.accept(token):  # never emitted: the sequence fails instead
+            raise RuntimeError(f"token {token} is not allowed by the grammar here")
+        st.fed += 1
+
+    def _processed(self, st: SeqState, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
+        """One row's logits after the request's processing and, under a grammar, its mask at the
+        matcher's position (computed once per position: a proposal and the verification of the
+        same draft share it)."""
+        x = process_logits(logits, st.params, history, self.eos, st.seen)
+        if st.matcher is None:
+            return x
+        if st.mask is None or st.mask[0] != st.fed:
+            st.mask = (st.fed, st.matcher.allowed())
+        return grammar_mask(x, logits, st.mask[1])
 
 
 # ---- process mode -----------------------------------------------------------------------

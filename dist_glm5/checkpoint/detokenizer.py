@@ -19,8 +19,9 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
+    def __init__(self, tokenizer, **decode_kw):
+        """decode_kw: passed to tokenizer.decode (e.g. skip_special_tokens)."""
+        self.tok, self.kw = tokenizer, decode_kw
         self.prefix = 0  # start of the decoded window (context already emitted)
         self.read = 0  # first id whose text is not yet emitted
 
@@ -28,8 +29,8 @@ class IncrementalDetokenizer:
         """The text the ids added since the last call ("" while a character is incomplete)."""
         if self.read >= len(ids):
             return ""
-        before = self.tok.decode(ids[self.prefix : self.read])
-        now = self.tok.decode(ids[self.prefix :])
+        before = self.tok.decode(ids[self.prefix : self.read], **self.kw)
+        now = self.tok.decode(ids[self.prefix :], **self.kw)
         if len(now) > len(before) and not now.endswith(REPLACEMENT):
             self.prefix, self.read = self.read, len(ids)
             return now[len(before) :]
@@ -39,8 +40,8 @@ class IncrementalDetokenizer:
         """Everything not yet emitted, an incomplete trailing character included (as U+FFFD)."""
         if self.read >= len(ids):
             return ""
-        before = self.tok.decode(ids[self.prefix : self.read])
-        now = self.tok.decode(ids[self.prefix :])
+        before = self.tok.decode(ids[self.prefix : self.read], **self.kw)
+        now = self.tok.decode(ids[self.prefix :], **self.kw)
         self.prefix, self.read = self.read, len(ids)
         return now[len(before) :]
 
@@ -55,6 +56,15 @@ class StopStrings:
 
     def find(self, text: str, new_from: int) -> int | None:
         """Where the first stop string starts in `text`, given that text[:new_from] held none."""
+        span = self.span(text, new_from)
+        return span[0] if span else None
+
+    def span(self, text: str, new_from: int) -> tuple[int, int] | None:
+        """(start, end) of the first stop string in `text` (the longest, of those starting
+        there), given that text[:new_from] held none."""
         start = max(0, new_from - self.hold)
-        hits = [i for s in self.stops if (i := text.find(s, start)) >= 0]
-        return min(hits) if hits else None
+        hits = [(i, -len(s)) for s in self.stops if (i := text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        i, neg = min(hits)
+        return i, i - neg

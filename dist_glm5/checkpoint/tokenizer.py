@@ -18,8 +18,19 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    SPECIAL = {256: "<bos>", 257: "<eos>", 258: "<pad>"}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        out, run = [], bytearray()
+        for i in ids:
+            if i < 256:
+                run.append(i)
+                continue
+            out += [run.decode("utf-8", errors="replace"), self.SPECIAL.get(i, "")]
+            run = bytearray()
+        return "".join(out) + run.decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -31,8 +42,8 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def load_tokenizer(model_dir: str | Path):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from dist_glm5.sampling.grammar import GrammarSpec
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,6 +27,14 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token (0: only the chosen token's)
     prompt_logprobs: int | None = None  # likewise for every prompt token after the first
     ignore_eos: bool = False
+    # as vLLM: frequency/presence over the output's tokens, repetition over prompt and output
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    grammar: GrammarSpec | None = None  # structured output: the last stage masks by it
+    # special tokens in the text (the ids are always returned); None: the tokenizer's default
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) in the text
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -32,7 +42,14 @@ class SamplingParams:
             return ValueError(f"{name}={v if len(v) <= 60 else v[:57] + '...'} {why}")
 
         # types first: a value of the wrong type must never reach the engine's math
-        for name in ("temperature", "top_p", "min_p"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+        ):
             v = getattr(self, name)
             if not _is_finite(v):
                 raise bad(name, "must be a finite number")
@@ -43,8 +60,14 @@ class SamplingParams:
         for name in ("seed", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and not _is_int(getattr(self, name)):
                 raise bad(name, "must be an integer or null")
-        if not isinstance(self.ignore_eos, bool):
-            raise bad("ignore_eos", "must be true or false")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            v = getattr(self, name)
+            if not isinstance(v, bool) and not (v is None and name == "skip_special_tokens"):
+                raise bad(name, "must be true or false")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise bad("grammar", "must be a GrammarSpec")
+        if self.grammar is not None and self.ignore_eos:
+            raise bad("ignore_eos", "cannot be combined with a grammar (it ends with EOS)")
         if not self.temperature >= 0:
             raise bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
@@ -53,6 +76,11 @@ class SamplingParams:
             raise bad("top_k", "must be >= 0 (0 turns it off)")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "must be in [-2, 2]")
+        if not self.repetition_penalty > 0:
+            raise bad("repetition_penalty", "must be > 0 (1 turns it off)")
         if self.max_tokens < 0:
             raise bad("max_tokens", "must be >= 0")
         if not 0 <= self.min_tokens:
@@ -90,6 +118,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
 
 def check_vocab(p: SamplingParams, vocab: int) -> None:

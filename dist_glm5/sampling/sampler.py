@@ -1,7 +1,9 @@
 """Per-request sampling parameters and the reference sampler.
 
 Order (as vLLM): logit_bias, then min_tokens (eos and stop ids masked until enough tokens) and
-bad_words (a word's last token is banned where the output ends with the rest of it), then
+bad_words (a word's last token is banned where the output ends with the rest of it), then the
+penalties (repetition over prompt and output, frequency and presence over the output), then the
+grammar's mask (`grammar_mask`: it wins where the request's own bans would leave nothing), then
 temperature, top-k, top-p, min-p. Greedy (temperature 0) is argmax with ties to the lowest id.
 Sampling draws from the request's own generator (seeded per request, so a seeded request is
 reproducible whatever else is in the batch). Logprobs are of the model's raw distribution.
@@ -16,9 +18,14 @@ from dist_glm5.sampling.params import SamplingParams
 
 
 def process_logits(
-    logits: torch.Tensor, p: SamplingParams, history: list[int], eos: tuple[int, ...]
+    logits: torch.Tensor,
+    p: SamplingParams,
+    history: list[int],
+    eos: tuple[int, ...],
+    seen: set[int] | frozenset[int] = frozenset(),
 ) -> torch.Tensor:
-    """logits [V] fp32 -> logits after logit_bias, min_tokens and bad_words (before temperature)."""
+    """logits [V] fp32 -> logits after logit_bias, min_tokens, bad_words and the penalties (before
+    temperature). history: the output so far; seen: the prompt's tokens (repetition penalty)."""
     x = logits.float().clone()
     for tok, b in p.logit_bias.items():
         x[tok] += b
@@ -31,6 +38,33 @@ def process_logits(
             len(history) >= len(w) - 1 and tuple(history[len(history) - len(w) + 1 :]) == w[:-1]
         ):
             x[w[-1]] = float("-inf")
+    if p.penalised:
+        x = _penalise(x, p, history, seen)
+    return x
+
+
+def _penalise(x: torch.Tensor, p: SamplingParams, history: list[int], seen) -> torch.Tensor:
+    V = x.shape[-1]
+    out = torch.tensor(history, dtype=torch.int64)
+    if p.repetition_penalty != 1.0 and (history or seen):
+        idx = torch.unique(torch.cat([out, torch.tensor(sorted(seen), dtype=torch.int64)]))
+        v = x[idx]
+        x[idx] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and history:
+        counts = torch.bincount(out, minlength=V)[:V].float()
+        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return x
+
+
+def grammar_mask(processed: torch.Tensor, raw: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Only what the grammar allows: processed logits masked by `allowed` [V] bool. Where the
+    request's own bans (min_tokens, bad_words, a -100 bias) removed every allowed token, the
+    grammar wins: the raw logits under the mask (a forced output must still complete)."""
+    x = processed.masked_fill(~allowed, float("-inf"))
+    if not bool(torch.isfinite(x).any()):
+        if not bool(allowed.any()):
+            raise RuntimeError("the grammar allows no token here")
+        x = raw.float().masked_fill(~allowed, float("-inf"))
     return x
 
 
@@ -67,12 +101,15 @@ def sample_one(processed: torch.Tensor, p: SamplingParams, gen: torch.Generator 
 
 
 def token_logprobs(logits: torch.Tensor, token: int, n: int) -> dict:
-    """The raw model log-probability of `token` and the top-n alternatives."""
+    """The raw model log-probability of `token` (any integer: a Python, NumPy or 0-d tensor id of
+    any width; indexing is done with an int64), its rank and the top-n alternatives."""
+    token = int(token)
     lp = torch.log_softmax(logits.float(), -1)
     top = torch.topk(lp, n) if n else None
     return {
         "token": token,
         "logprob": float(lp[token]),
+        "rank": int((lp > lp[token]).sum()) + 1,  # 1: the most likely
         "top": [[int(i), float(v)] for v, i in zip(top.values, top.indices)]
         if top is not None
         else [],
