@@ -43,7 +43,9 @@ def register(p: argparse.ArgumentParser) -> None:
         default=["bpb", "mtp", "needles", "mxfp4", "repeat"],
         help="parts to run (bpb mtp needles mxfp4 repeat)",
     )
-    p.add_argument("--needle-lengths", type=int, nargs="*", default=[4096, 16384])
+    p.add_argument(
+        "--needle-lengths", type=int, nargs="*", default=[4096], help="e.g. 4096 16384 65536"
+    )
     p.add_argument(
         "--reference-max", type=int, default=4096, help="longest context for the reference path"
     )

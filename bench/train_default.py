@@ -16,6 +16,11 @@ trained with transformers' GlmMoeDsaForCausalLM plus an MTP block built from its
 Data: corpus.py (stdlib windows and needle documents). Deterministic per step (the batch of step
 s depends only on the seed and s), so a resumed run sees the data it would have seen.
 Checkpoints every --save-every steps to <out>/state.pt; rerunning the command resumes.
+One torch thread by default: on this machine's 2 cores, shared with other jobs, two threads made a
+step about 7x slower (oversubscribed OpenMP), one thread ~4 s for 2,048 tokens of phase one.
+
+Reproduce the shipped weights (about 80 min here):
+    dist-glm5 bench train-default --out RUN --export dist_glm5/checkpoint/default_model/trained
 """
 
 from __future__ import annotations
@@ -79,8 +84,9 @@ TRAIN_CONFIG = {
 MTP_WEIGHT = 0.3
 BIAS_RATE = 1e-3
 # phases: (fraction of the steps, sequence length, batch, sparse selection on)
-PHASES = [(0.35, 512, 4, False), (0.50, 1024, 2, True), (0.15, 2048, 1, True)]
-NEEDLE_FRACTION = 0.35
+PHASES = [(0.5, 512, 4, False), (0.35, 1024, 2, True), (0.15, 2048, 1, True)]
+NEEDLE_FRACTION = 0.3
+COPY_FRACTION = 0.3  # repeated spans: copying (induction) forms early, needles need it
 
 
 # ---- the model -------------------------------------------------------------------------------
@@ -351,12 +357,16 @@ class Data:
         return self.text[start : start + n]
 
     def row(self, rng: random.Random, n: int) -> list[int]:
-        if rng.random() < NEEDLE_FRACTION:
+        u = rng.random()
+        if u < NEEDLE_FRACTION:
             if rng.random() < 0.5:
                 filler = self.window(rng, n)
             else:
                 filler = self.corpus.prose_filler(rng, n, classic=rng.random() < 0.3)
-            doc = self.corpus.needle_training_doc(rng, filler, rng.choice([1, 2, 3, 3, 4]))
+            k = rng.choice([2, 3, 4, 6, 8])
+            doc = self.corpus.needle_training_doc(rng, filler, k)
+        elif u < NEEDLE_FRACTION + COPY_FRACTION:
+            doc = self.corpus.copy_training_doc(rng, self.window(rng, n), rng.choice([1, 2, 3]))
         else:
             doc = self.window(rng, n)
         doc = (doc + b"\n" * n)[:n]
@@ -386,7 +396,7 @@ def lr_at(step: int, steps: int, peak: float, warmup: int = 50) -> float:
 # ---- the run -----------------------------------------------------------------------------------
 def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="train-default", help="run directory (state, log, export)")
-    p.add_argument("--steps", type=int, default=900)
+    p.add_argument("--steps", type=int, default=850)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)

@@ -169,3 +169,16 @@ def needle_training_doc(rng: random.Random, filler: bytes, n_needles: int = 3) -
     tail = b"".join(b"\n" + nd.line for nd in asked) + b"\n"
     body = needle_prompt(rng, filler[: max(0, len(filler) - len(tail))], needles, (0.0, 0.95))
     return body + tail
+
+
+def copy_training_doc(rng: random.Random, text: bytes, n_copies: int) -> bytes:
+    """text with n_copies spans of it repeated later in it (24..160 bytes each): the cheapest
+    data that teaches a small model to copy (induction), which needle retrieval is made of."""
+    out = bytearray(text)
+    n = len(out)
+    for _ in range(n_copies):
+        size = rng.randint(24, min(160, n // 4))
+        src = rng.randrange(0, n // 2 - size)
+        dst = rng.randrange(src + size + 8, n - size)
+        out[dst : dst + size] = out[src : src + size]
+    return bytes(out)
