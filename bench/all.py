@@ -106,15 +106,21 @@ def run(args: argparse.Namespace) -> int:
             f"| convert glm53 | peak RSS at {r['input_gb']:.1f} GB input | {r['peak_rss_mb']:.0f} "
             "MB |"
         )
-    dec = (res.get("longctx") or {}).get("decode", [])
-    if dec and dec[0]["ours"]:
-        for r in dec:
-            if r["ours"]:
-                md.append(
-                    f"| decode vs context | {r['context']} keys, ms/token (x of "
-                    f"{dec[0]['context']}) | {r['ours']['ms_per_token']:.2f} "
-                    f"({r['ours']['ms_per_token'] / dec[0]['ours']['ms_per_token']:.2f}x) |"
-                )
+    lc = res.get("longctx") or {}
+    for r in lc.get("ttft", []):
+        if "ttft_s" in r:
+            md.append(
+                f"| long context TTFT | {r['context']} tokens, {r['stages']} stage(s): s; x "
+                f"compute bound | {r['ttft_s']:.1f}; {r['ttft_s'] / r['bound_s']:.1f}x |"
+            )
+    for r in lc.get("decode", []):
+        first = next(x for x in lc["decode"] if x["batch"] == r["batch"])
+        if "ms_per_step" in r and "ms_per_step" in first:
+            md.append(
+                f"| long context decode | batch {r['batch']} at {r['context']}: ms/step (x of "
+                f"{first['context']}) | {r['ms_per_step']:.2f} "
+                f"({r['ms_per_step'] / first['ms_per_step']:.2f}x) |"
+            )
     for r in res.get("pipeline", []):
         util = ", ".join(f"{k} {v:.0%}" for k, v in r["utilisation"].items())
         md.append(

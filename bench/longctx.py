@@ -1,9 +1,14 @@
-"""Long-context benchmarks on the embedded model, one process per measurement (clean peak RSS):
+"""Long context on the embedded model, sparse DSA, MEASURED side by side in one run
+(`bench longctx`); each measurement in a fresh process (clean peak RSS).
 
-- decode time per token at 4K, 16K, 64K context, sparse DSA path (the cache is filled with
-  synthetic rows: decode work does not depend on the values), beside transformers where it reaches;
-- prefill time against context, sparse path against the dense reference;
-- the bisection k-th score against torch.topk on the same rows.
+- Time to first token at each context, one stage (in-process engine) and two stages (Ray), against
+  the COMPUTED compute bound of its indexer and attention FLOPs at the GEMM rate measured here at
+  the same thread count (fp32 torch.mm). Goal: within 3x of the bound.
+- Decode ms/token at each context, batch 1 and 8 (the cache filled with synthetic rows: decode
+  work does not depend on the values). Goal: t(64K) / t(4K) <= 1.2.
+- Peak RSS per worker against the planner's prediction (planning/worker_memory.py) for the same
+  run: weights + cache + workspaces.
+- The k-th largest score per row: bisection (Gaudi's method) against torch.topk (the CPU's).
 """
 
 from __future__ import annotations
@@ -13,9 +18,51 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+CHUNK = 1024  # prefill chunk tokens in the TTFT runs
+
+_TTFT = r"""
+import json, sys, time, torch
+from dist_glm5.obs.peak_rss import peak_rss_mb
+from dist_glm5.checkpoint.default_model import ensure_default_model
+from dist_glm5.checkpoint.tokenizer import load_tokenizer
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.model.dsa_config import DSAConfig
+from dist_glm5.sampling.params import SamplingParams
+from dist_glm5.stages.coordinator import Coordinator
+from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout, StageSpec
+from dist_glm5.stages.scheduler import SchedulerConfig
+ctx, stages, threads, chunk = map(int, sys.argv[1:5])
+d = ensure_default_model()
+cfg = ModelConfig.from_hf(d)
+blocks = ctx // 64 + 4
+eng = EngineConfig(str(d), Layout(stages), CacheConfig(blocks),
+                   SchedulerConfig(chunk_tokens=chunk, max_model_len=blocks * 64),
+                   DSAConfig(mode="sparse"), threads=threads)
+if stages == 1:
+    from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
+    torch.set_num_threads(threads)
+    pipe = InProcessPipeline(StageSpec(eng))
+else:
+    from dist_glm5.stages.ray_pipeline import RayPipeline
+    pipe = RayPipeline(eng)
+c = Coordinator(pipe, eng.scheduler, cfg.eos_token_id, cfg.vocab_size, step_timeout=7200)
+prompt = torch.randint(0, 256, (ctx,), generator=torch.Generator().manual_seed(0)).tolist()
+try:
+    t = time.perf_counter()
+    s = c.run([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    ttft = time.perf_counter() - t
+    assert s.finish_reason == "length", s.error
+    rss = {0: peak_rss_mb()} if stages == 1 else {
+        0: max(x.peak_rss_mb for x in pipe.timings), stages - 1: c.stats.peak_rss_mb}
+finally:
+    c.close()
+print(json.dumps({"ttft_s": ttft, "peak_rss_mb": rss}))
+"""
 
 _DECODE = r"""
 import json, sys, time, torch
@@ -24,79 +71,35 @@ from dist_glm5.checkpoint.default_model import ensure_default_model
 from dist_glm5.model.dsa import DSAConfig
 from dist_glm5.model.kv_cache import Chunk
 from dist_glm5.checkpoint.loader import load_model
-torch.set_num_threads(1)
-ctx, steps = int(sys.argv[1]), int(sys.argv[2])
+ctx, batch, steps, threads = map(int, sys.argv[1:5])
+torch.set_num_threads(threads)
 m = load_model(ensure_default_model(), mtp=False).set_dsa(DSAConfig(mode="sparse"))
-cache = m.new_cache(ctx // 64 + 2, 64)
+per = ctx // 64 + 2
+cache = m.new_cache(per * batch, 64)
 g = torch.Generator().manual_seed(0)
-cache.prepare([Chunk(0, 0, ctx)])
+cache.prepare([Chunk(i, 0, ctx) for i in range(batch)])
 for store in [*cache.kv.values(), *cache.index_k.values()]:
     store.normal_(generator=g)
 times = []
 with torch.no_grad():
     for i in range(steps):
         t = time.perf_counter()
-        b = cache.prepare([Chunk(0, ctx + i, 1)])
-        h, _ = m(torch.tensor([i % 256]), b, cache)
+        b = cache.prepare([Chunk(j, ctx + i, 1) for j in range(batch)])
+        h, _ = m(torch.tensor([i % 256] * batch), b, cache)
         m.logits(m.final_norm(h))
         times.append(time.perf_counter() - t)
-print(json.dumps({"ms_per_token": 1e3 * sorted(times)[len(times) // 2],
-                  "peak_rss_mb": peak_rss_mb()}))
-"""
-
-_HF_DECODE = r"""
-import json, sys, tempfile, time, torch
-from dist_glm5.obs.peak_rss import peak_rss_mb
-from pathlib import Path
-from transformers import GlmMoeDsaForCausalLM
-from dist_glm5.bench.generate_vs_hf import hf_copy
-from dist_glm5.checkpoint.default_model import ensure_default_model
-torch.set_num_threads(1)
-ctx, steps = int(sys.argv[1]), int(sys.argv[2])
-with tempfile.TemporaryDirectory() as tmp:
-    m = GlmMoeDsaForCausalLM.from_pretrained(hf_copy(ensure_default_model(), Path(tmp))).eval()
-ids = torch.randint(0, 256, (1, ctx))
-with torch.no_grad():
-    out = m(ids, use_cache=True)
-    cache, tok, times = out.past_key_values, out.logits[:, -1:].argmax(-1), []
-    for i in range(steps):
-        t = time.perf_counter()
-        out = m(tok, past_key_values=cache, use_cache=True)
-        cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        times.append(time.perf_counter() - t)
-print(json.dumps({"ms_per_token": 1e3 * sorted(times)[len(times) // 2],
-                  "peak_rss_mb": peak_rss_mb()}))
-"""
-
-_PREFILL = r"""
-import json, sys, time, torch
-from dist_glm5.obs.peak_rss import peak_rss_mb
-from dist_glm5.checkpoint.default_model import ensure_default_model
-from dist_glm5.model.dsa import DSAConfig
-from dist_glm5.model.kv_cache import Chunk
-from dist_glm5.checkpoint.loader import load_model
-torch.set_num_threads(1)
-ctx, mode, thr = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-m = load_model(ensure_default_model(), mtp=False).set_dsa(DSAConfig(mode=mode, dense_threshold=thr))
-cache = m.new_cache(ctx // 64 + 2, 64)
-ids = torch.randint(0, 256, (ctx,))
-t = time.perf_counter()
-with torch.no_grad():
-    for a in range(0, ctx, 1024):
-        b = cache.prepare([Chunk(0, a, min(1024, ctx - a))])
-        m(ids[a:a + 1024], b, cache)
-print(json.dumps({"seconds": time.perf_counter() - t,
+print(json.dumps({"ms_per_step": 1e3 * sorted(times)[len(times) // 2],
                   "peak_rss_mb": peak_rss_mb()}))
 """
 
 
 def register(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--decode-contexts", type=int, nargs="+", default=[4096, 16384, 65536])
-    p.add_argument(
-        "--hf-max-context", type=int, default=8192, help="transformers is measured up to here"
-    )
-    p.add_argument("--prefill-contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
-    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--ttft-contexts", type=int, nargs="*", default=[4096, 16384, 65536])
+    p.add_argument("--ttft-stages", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--decode-contexts", type=int, nargs="*", default=[4096, 16384, 65536, 131072])
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--threads", type=int, default=2, help="torch threads (one stage)")
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--output", help="write the results as JSON here")
     p.set_defaults(func=run)
 
@@ -106,52 +109,122 @@ def sub(code: str, *args) -> dict | None:
         [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True
     )
     if r.returncode:
-        log.warning(
-            "measurement %s failed: %s",
-            args,
-            r.stderr.strip().splitlines()[-1:] if r.stderr else r.returncode,
-        )
+        tail = r.stderr.strip().splitlines()[-3:] if r.stderr else r.returncode
+        log.warning("measurement %s failed: %s", args, tail)
         return None
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def run(args: argparse.Namespace) -> int:
-    import time
+def gemm_rate(threads: int) -> float:
+    """fp32 FLOP/s of torch.mm at this thread count (best of 5, 1024^3)."""
+    import torch
 
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    torch.set_num_threads(before)
+    return 2 * 1024**3 / best
+
+
+def prefill_flops(cfg, T: int) -> dict[str, float]:
+    """Indexer and attention FLOPs of prefilling T tokens (COMPUTED): every query scores every
+    earlier key in each full-indexer layer; each query attends over min(t + 1, topk) keys in
+    every layer (absorbed MLA: scores over latent + rope dims, output over the latent)."""
+    full = sum(cfg.has_indexer(i) for i in range(cfg.num_hidden_layers))
+    pairs = T * (T + 1) / 2  # (query, earlier key) pairs
+    Hi, D = cfg.index_n_heads, cfg.index_head_dim
+    indexer = full * pairs * Hi * (2 * D + 2)
+    kept = sum(min(t + 1, cfg.index_topk) for t in range(0, T, 64)) * 64
+    h, c, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    attention = cfg.num_hidden_layers * kept * h * (2 * (c + r) + 2 * c)
+    return {"indexer": indexer, "attention": attention}
+
+
+def planned_mb(cfg, context: int, stages: int) -> dict[int, float]:
+    from dist_glm5.model.dsa_config import DSAConfig
+    from dist_glm5.planning.partition import partition_layers
+    from dist_glm5.planning.worker_memory import worker_memory
+
+    ranges = partition_layers(cfg, stages)
+    return {
+        s: worker_memory(
+            cfg,
+            ranges[s],
+            s == 0,
+            s == stages - 1,
+            mtp=False,
+            cache_tokens=(context // 64 + 4) * 64,
+            chunk_tokens=CHUNK,
+            context=context,
+            dtype_bytes=2 if cfg.torch_dtype == "bfloat16" else 4,
+            dsa=DSAConfig(mode="sparse"),
+        ).total
+        / 1e6
+        for s in range(stages)
+    }
+
+
+def run(args: argparse.Namespace) -> int:
     import torch
 
     from dist_glm5.checkpoint.default_model import ensure_default_model
+    from dist_glm5.model.config import ModelConfig
     from dist_glm5.ops.topk import kth_largest_bisect
 
-    ensure_default_model()
-    res: dict = {"decode": [], "prefill": [], "topk": []}
-    print("decode, one sequence, 1 thread: ms per token (median), peak RSS")
-    base = None
-    for ctx in args.decode_contexts:
-        ours = sub(_DECODE, ctx, args.steps)
-        hf = sub(_HF_DECODE, ctx, args.steps) if ctx <= args.hf_max_context else None
-        base = base or (ours and ours["ms_per_token"])
-        res["decode"].append({"context": ctx, "ours": ours, "transformers": hf})
-        line = (
-            f"  {ctx:>7}: ours {ours['ms_per_token']:7.2f} ms ({ours['ms_per_token'] / base:.2f}x "
-            f"of the first), RSS {ours['peak_rss_mb']:.0f} MB"
-            if ours
-            else f"  {ctx:>7}: ours failed"
-        )
-        if hf:
-            line += f"; transformers {hf['ms_per_token']:7.2f} ms, RSS {hf['peak_rss_mb']:.0f} MB"
-        print(line)
-    print("prefill (chunks of 1024), 1 thread: seconds, peak RSS")
-    for ctx in args.prefill_contexts:
-        sp = sub(_PREFILL, ctx, "sparse", 0)
-        ref = sub(_PREFILL, ctx, "reference", 0)
-        res["prefill"].append({"context": ctx, "sparse": sp, "reference": ref})
-        print(
-            f"  {ctx:>7}: sparse {sp['seconds']:6.2f} s ({sp['peak_rss_mb']:.0f} MB), reference "
-            + (f"{ref['seconds']:6.2f} s ({ref['peak_rss_mb']:.0f} MB)" if ref else "failed")
-        )
+    cfg = ModelConfig.from_hf(ensure_default_model())
+    rate = {nt: gemm_rate(nt) for nt in {args.threads, 1}}
+    res: dict = {"gemm_gflops": {k: v / 1e9 for k, v in rate.items()}, "ttft": [], "decode": []}
+    print(
+        "GEMM rate (fp32 torch.mm 1024^3, measured): "
+        + ", ".join(f"{nt} thread(s) {r / 1e9:.0f} GFLOP/s" for nt, r in rate.items())
+    )
+    print(f"time to first token (chunks of {CHUNK}); bound = indexer + attention FLOPs / rate")
+    for T in args.ttft_contexts:
+        f = prefill_flops(cfg, T)
+        for st in args.ttft_stages:
+            # two stages: one thread per worker on this 2-core machine; the bound uses the
+            # combined rate of the cores both stages use
+            nt = args.threads if st == 1 else 1
+            bound = (f["indexer"] + f["attention"]) / (rate[nt] * (1 if st == 1 else st))
+            r = sub(_TTFT, T, st, nt, CHUNK)
+            row = {"context": T, "stages": st, "threads_per_worker": nt, "bound_s": bound,
+                   "flops": f, "planned_mb": planned_mb(cfg, T, st), **(r or {})}  # fmt: skip
+            res["ttft"].append(row)
+            if r is None:
+                print(f"  {T:>7} x {st} stage(s): failed")
+                continue
+            rss = ", ".join(
+                f"stage {s} {row['peak_rss_mb'][s]:.0f} MB (plan {row['planned_mb'][int(s)]:.0f})"
+                for s in row["peak_rss_mb"]
+            )
+            print(
+                f"  {T:>7} x {st} stage(s): {r['ttft_s']:8.1f} s, bound {bound:7.1f} s -> "
+                f"{r['ttft_s'] / bound:.1f}x (goal <= 3); peak RSS {rss}"
+            )
+    print(f"decode ms per step, {args.threads} thread(s), synthetic cache")
+    base: dict[int, float] = {}
+    for B in args.decode_batches:
+        for T in args.decode_contexts:
+            r = sub(_DECODE, T, B, args.steps, args.threads)
+            res["decode"].append({"context": T, "batch": B, **(r or {})})
+            if r is None:
+                print(f"  batch {B} at {T:>7}: failed")
+                continue
+            base.setdefault(B, r["ms_per_step"])
+            print(
+                f"  batch {B} at {T:>7}: {r['ms_per_step']:7.2f} ms "
+                f"({r['ms_per_step'] / base[B]:.2f}x of {args.decode_contexts[0]}; goal at 64K "
+                f"<= 1.2), peak RSS {r['peak_rss_mb']:.0f} MB"
+            )
     print("k-th largest score per row: bisection vs torch.topk (same rows, 1 thread)")
     torch.set_num_threads(1)
+    res["topk"] = []
     for rows, L, k in ((1, 65536, 2048), (64, 65536, 2048), (256, 16384, 2048)):
         s = torch.randn(rows, L)
         t = time.perf_counter()
@@ -161,13 +234,10 @@ def run(args: argparse.Namespace) -> int:
         b = s.topk(k).values[:, -1]
         tt = time.perf_counter() - t
         assert torch.equal(a, b)
-        res["topk"].append(
-            {"rows": rows, "L": L, "k": k, "bisect_ms": tb * 1e3, "topk_ms": tt * 1e3}
-        )
-        print(
-            f"  {rows:>4} x {L:>6}, k={k}: bisection {tb * 1e3:8.2f} ms, torch.topk "
-            f"{tt * 1e3:8.2f} ms (ratio {tb / tt:.1f})"
-        )
+        res["topk"].append({"rows": rows, "L": L, "k": k, "bisect_ms": tb * 1e3,
+                            "topk_ms": tt * 1e3})  # fmt: skip
+        print(f"  {rows:>4} x {L:>6}, k={k}: bisection {tb * 1e3:8.2f} ms, torch.topk "
+              f"{tt * 1e3:8.2f} ms (ratio {tb / tt:.1f})")  # fmt: skip
     if args.output:
         Path(args.output).write_text(json.dumps(res, indent=1))
     return 0

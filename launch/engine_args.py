@@ -30,7 +30,13 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="address our sockets bind and advertise (this node's IP for multi-node)",
     )
-    p.add_argument("--microbatches", type=int, default=2, help="micro-batches in flight")
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="micro-batches in flight (default: one per stage, so every stage has work and a "
+        "single stage decodes all its sequences in one step)",
+    )
     p.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk size")
     p.add_argument("--cache-blocks", type=int, default=1024, help="paged-cache blocks per worker")
     p.add_argument("--block-size", type=int, default=64)
@@ -100,7 +106,7 @@ def engine_config(
     cache = CacheConfig(cache_blocks or args.cache_blocks, args.block_size)
     sched = SchedulerConfig(
         chunk_tokens=args.chunk_tokens,
-        microbatches=args.microbatches,
+        microbatches=args.microbatches or args.stages,
         max_model_len=max_model_len or min(cfg.max_position_embeddings, cache.tokens),
     )
     return EngineConfig(

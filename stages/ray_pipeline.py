@@ -69,8 +69,6 @@ class RayPipeline:
         self.engine = engine
         self.ranges = partition_layers(cfg, engine.layout.stages)
         self.stages, self.ranks = engine.layout.stages, engine.layout.ranks
-        if engine.threads is None:  # one torch thread per worker unless told otherwise
-            engine = replace(engine, threads=1)
         self.specs = [
             StageSpec(engine, w, (self.ranges[w.stage].start, self.ranges[w.stage].stop))
             for w in engine.layout.workers
@@ -85,6 +83,10 @@ class RayPipeline:
                 log_to_driver=False,
                 **({} if address else {"num_cpus": max(2, self.stages * self.ranks)}),
             )
+        if engine.threads is None:  # a worker uses its share of its node's cores
+            engine = replace(engine, threads=self._threads_per_worker())
+            self.engine, self.specs = engine, [replace(s, engine=engine) for s in self.specs]
+        self.threads = engine.threads
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -99,6 +101,18 @@ class RayPipeline:
         self.timings: deque[StepTiming] = deque(maxlen=TIMINGS_KEPT)
         self._fresh: list[StepTiming] = []
         self._start()
+
+    def _threads_per_worker(self) -> int:
+        """The cores of a node (the fewest any node has, and no more than this machine's) over
+        the workers placed on it: a stage's ranks when stages are spread one per node, every
+        worker when they share one node."""
+        import ray
+
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        spread = self.stages > 1 and len(nodes) >= self.stages
+        per_node = self.ranks if spread else self.stages * self.ranks
+        cpus = min(int(n["Resources"].get("CPU", 1)) for n in nodes)
+        return max(1, min(cpus, os.cpu_count() or 1) // per_node)
 
     # ---- lifecycle ---------------------------------------------------------------------
     def _start(self) -> None:
@@ -117,7 +131,7 @@ class RayPipeline:
         bundles = [{"CPU": self.cpus * self.ranks} for _ in range(self.stages)]
         self.pg = placement_group(bundles, strategy=strategy)
         ray.get(self.pg.ready(), timeout=self.startup_timeout)
-        env = {"OMP_NUM_THREADS": "1"}
+        env = {"OMP_NUM_THREADS": str(self.threads)}
         if self.host.startswith("127."):
             env["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo's pairs on loopback as well
         actor = _actor_class()

@@ -293,14 +293,16 @@ def sparse_prefill(
     scale: float,
     cfg: DSAConfig,
     ops: Ops | None = None,
+    topk: int | None = None,
 ) -> torch.Tensor:
-    """Prefill rows [n] over L keys: per window, the union of selections, or dense with the mask
-    (attention by the backend's attend_absorbed_chunked)."""
+    """Prefill rows [n] over L keys (at most `topk` kept per row): each row over its own
+    selected rows ("rows"), or per window the union of selections, or dense with the mask
+    ("windows", by the backend's attend_absorbed_chunked)."""
     n, L = keep.shape
     ops = ops or reference_ops()
     attend_absorbed_chunked = ops.attend_absorbed_chunked
     if cfg.prefill_attention == "rows":  # each query over its own selected rows: cost ~ top-k
-        slots, valid = selected_slots(keep, keys)
+        slots, valid = selected_slots(keep, keys, topk)
         return ops.attend_gathered(
             q_lat, q_rot, kv_store, slots, valid, kv_lora, scale, cfg.gather_cap_bytes
         )

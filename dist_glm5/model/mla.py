@@ -228,7 +228,16 @@ class MLA(nn.Module):
                     toks_all.append((toks, q_lat))
                 else:
                     o_lat = dsa.sparse_prefill(
-                        q_lat, q_rot[toks], kv_store, keys, keep, c, self.scale, self.dsa, self.ops
+                        q_lat,
+                        q_rot[toks],
+                        kv_store,
+                        keys,
+                        keep,
+                        c,
+                        self.scale,
+                        self.dsa,
+                        self.ops,
+                        self.topk,
                     )
                     out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(x.dtype), w_uv)
             if small:

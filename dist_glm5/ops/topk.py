@@ -124,12 +124,14 @@ def select_topk_sorted(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> 
     if topk >= L:
         return causal
     s = scores.float().masked_fill(~causal, float("-inf"))
-    t = torch.topk(s, topk, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # k-th largest
+    # the k-th and (k+1)-th largest: more than k keys are >= the k-th exactly when they are equal
+    top = torch.topk(s, topk + 1, dim=-1, sorted=True).values
+    t = top[..., topk - 1 : topk]
     keep = s >= t
-    # Rows with more than k keys >= t have ties at t (or fewer than k causal keys): among those
-    # keep the earliest. Usually no row: the cumulative count runs on those rows only.
+    # Rows with a tie across the k-th place (or fewer than k causal keys, all -inf there): among
+    # the keys equal to t keep the earliest. Usually no row: the cumulative count runs on those.
     flat = keep.view(-1, L)
-    over = (count_true(flat) > topk).nonzero().squeeze(-1)
+    over = (top[..., topk] == top[..., topk - 1]).reshape(-1).nonzero().squeeze(-1)
     if over.numel():
         so, to = s.reshape(-1, L)[over], t.reshape(-1, 1)[over]
         above, tie = so > to, so == to
