@@ -306,15 +306,15 @@ class Scheduler:
 
     def _stops(self, s: Sequence, t: int) -> bool:
         p = s.params
-        if len(s.output) >= p.max_tokens:
-            s.finish_reason = "length"
-        elif t in p.stop_token_ids or (
+        if t in p.stop_token_ids or (
             t in self.eos
             and not p.ignore_eos
             # a grammar emits EOS only where it is complete (it wins over min_tokens)
             and (len(s.output) > p.min_tokens - 1 or p.grammar is not None)
         ):
-            s.finish_reason = "stop"
+            s.finish_reason = "stop"  # a stop token as the last allowed token is still a stop
+        elif len(s.output) >= p.max_tokens:
+            s.finish_reason = "length"
         return s.finished
 
     def finish(self, s: Sequence, reason: str | None = None) -> None:

@@ -132,13 +132,24 @@ BAD = [  # (path, body, the field the 400 must name; None: the body itself)
     ("c", {"stream": "false"}, "stream"),
     ("c", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("c", {"min_tokens": 50, "max_tokens": 5}, "min_tokens"),
-    ("c", {"n": 2}, "n"),
-    ("c", {"echo": True}, "echo"),
-    ("c", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("c", {"n": 0}, "n"),
+    ("c", {"n": 129}, "n"),
+    ("c", {"prompt": ["a"] * 100, "n": 3}, "prompt"),  # 300 choices
+    ("c", {"best_of": 2}, "best_of"),  # known, not supported: named, never ignored
+    ("c", {"suffix": "x"}, "suffix"),
+    ("c", {"use_beam_search": True}, "use_beam_search"),
+    ("c", {"frequency_penalty": 2.5}, "frequency_penalty"),
+    ("c", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("c", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ("c", {"response_format": {"type": "xml"}}, "response_format.type"),
+    ("c", {"guided_regex": "(("}, "guided_regex"),
+    ("c", {"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+    ("c", {"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
     ("c", {"prompt": [1, 2, 100000]}, "prompt"),
     ("c", {"prompt": [1.5]}, "prompt"),
     ("c", {"prompt": ""}, "prompt"),
-    ("c", {"prompt": ["a", "b"]}, "prompt"),
+    ("c", {"prompt": ["a", ""]}, "prompt"),
+    ("c", {"prompt": [[1], []]}, "prompt"),
     ("c", {"prompt": "x" * (CTX + 64)}, "prompt"),
     ("c", {"prompt": "x" * 100, "max_tokens": CTX}, "max_tokens"),
     ("c", {"prompt": None}, "prompt"),
@@ -154,10 +165,20 @@ BAD = [  # (path, body, the field the 400 must name; None: the body itself)
     (
         "m",
         {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]}]},
-        "messages.0.tool_calls",
+        "messages.0.tool_calls.0.id",
     ),  # fmt: skip
-    ("m", {"tools": [{"type": "function"}]}, "tools"),
+    ("m", {"tools": [{"type": "function"}]}, "tools.0.function"),
     ("m", {"top_logprobs": 2}, "top_logprobs"),
+    ("m", {"echo": True}, "echo"),
+    ("m", {"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),
+    (
+        "m",
+        {
+            "messages": [{"role": "user", "content": "x", "tool_call_id": "a"}],
+            "continue_final_message": True,
+        },
+        "continue_final_message",
+    ),
     ("m", {"logprobs": "yes"}, "logprobs"),
 ]
 RAW = [  # bodies that are not JSON objects at all

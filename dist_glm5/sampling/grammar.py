@@ -85,8 +85,9 @@ def tool_call_lark(functions: list[dict], min_calls: int = 1, max_calls: int = 0
         parts = []
         for j, key in enumerate(required + optional):
             raw = _raw_string_rule(f"val_{i}_{j}", props[key])
-            if raw is None:
-                value = f'%json {json.dumps(props[key])} "</arg_value>"'
+            if raw is None:  # compact JSON, as for response_format (free whitespace loops)
+                schema = {**props[key], "x-guidance": JSON_OPTIONS}
+                value = f'%json {json.dumps(schema)} "</arg_value>"'
             else:
                 value = f"val_{i}_{j}"
                 rules.append(raw)

@@ -33,14 +33,16 @@ class EngineFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Output:
-    """What one engine event adds to a request: new token ids and their text (the engine's
-    incremental detokenizer: the texts concatenate to the completion); at the end the finish
-    reason and the engine's final sequence (ids, usage, logprobs)."""
+    """What one engine event adds to a request: new token ids, their logprobs and their text (the
+    engine's incremental detokenizer: the texts concatenate to the completion); at the end the
+    finish reason and the engine's final sequence (ids, usage, logprobs)."""
 
     token_ids: tuple[int, ...] = ()
     text: str = ""
     finish_reason: str | None = None
     seq: object | None = None
+    logprobs: tuple[dict, ...] = ()  # the new ids' (when asked)
+    prompt_logprobs: list | None = None  # once, with the first ids (when asked)
 
     @property
     def finished(self) -> bool:
@@ -67,7 +69,12 @@ class EngineClient:
             while not finished:
                 for kind, value in await self._next_events(handle):
                     if kind == "delta":
-                        yield Output(tuple(value.token_ids), value.text)
+                        yield Output(
+                            tuple(value.token_ids),
+                            value.text,
+                            logprobs=tuple(value.logprobs),
+                            prompt_logprobs=value.prompt_logprobs,
+                        )
                         continue
                     finished = True
                     if kind == "done":

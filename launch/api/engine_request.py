@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from dist_glm5.sampling.grammar import GrammarSpec, validate
 from dist_glm5.sampling.params import SamplingParams
 
 from .chat_template import ChatTemplate
@@ -50,48 +51,207 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
-class EngineRequest:
+class Choice:
+    """One engine request of an API request: choice `index` of OpenAI's answer."""
+
+    index: int
     prompt: list[int]
+    params: SamplingParams
+    prompt_index: int = 0
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """An API request as engine requests: every prompt (a completion may batch several) times
+    `n` choices, each its own sequence with its own seed (seed + j for the j-th choice of a prompt
+    when the request has a seed; a random one otherwise)."""
+
+    prompts: list[list[int]]
     params: SamplingParams
     stream: bool
     include_usage: bool = False
     continuous_usage: bool = False
+    n: int = 1
+    echo: list[str] | None = None  # completions: each prompt's text, put before its choices
+    logprobs: int | None = None  # top-n per generated token the client asked for
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs the client asked for
+    tools: dict[str, dict] | None = None  # parse tool calls: function name -> its parameters
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.prompts[0]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def choices(self) -> list[Choice]:
+        out = []
+        for i, prompt in enumerate(self.prompts):
+            for j in range(self.n):
+                p = self.params
+                if j and p.seed is not None:
+                    p = replace(p, seed=(p.seed + j) % (1 << 63))
+                out.append(Choice(i * self.n + j, prompt, p, i))
+        return out
+
+
+MAX_CHOICES = 256  # prompts x n in one request
 
 
 def completion_request(req: CompletionRequest, m: ModelInfo) -> EngineRequest:
     _common_checks(req, m)
-    if req.logprobs is not None and req.stream:
-        _unsupported("logprobs", "with stream")
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) > 1:
-            _unsupported("prompt", "as a batch of several prompts")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = _encode(m, prompt, "prompt")
-    else:
-        ids = list(prompt)
-        _check_ids(ids, m, "prompt")
-    return _engine_request(req, m, ids, req.max_tokens, req.logprobs)
+    batch = (
+        prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+        else [prompt]
+    )
+    if len(batch) * req.n > MAX_CHOICES:
+        raise ApiError(
+            400,
+            f"{len(batch)} prompts x n={req.n} is more than {MAX_CHOICES} choices in one request",
+            "prompt" if len(batch) > 1 else "n",
+        )
+    prompts, texts = [], []
+    for i, p in enumerate(batch):
+        where = "prompt" if len(batch) == 1 else f"prompt.{i}"
+        if isinstance(p, str):
+            ids = _encode(m, p, "prompt", where)
+        else:
+            ids = list(p)
+            if not ids:
+                raise ApiError(400, f"{where}: the prompt is empty", "prompt")
+            _check_ids(ids, m, "prompt")
+        prompts.append(ids)
+        texts.append(p if isinstance(p, str) else _decode(m, ids))
+    want_plp = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:  # the echoed prompt comes with its logprobs
+        want_plp = max(req.logprobs, want_plp or 0)
+    return _engine_request(
+        req,
+        m,
+        prompts,
+        req.max_tokens,
+        req.logprobs,
+        prompt_logprobs=want_plp,
+        echo=texts if req.echo else None,
+    )
 
 
 def chat_request(req: ChatCompletionRequest, m: ModelInfo) -> EngineRequest:
     _common_checks(req, m)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    if req.logprobs and req.stream:
-        _unsupported("logprobs", "with stream")
     if m.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids")
-    messages = [{"role": x.role, "content": x.text} for x in req.messages]
-    try:
-        text = m.chat_template.render(messages)
-    except Exception as e:  # the template's own raise_exception, or a template error
-        raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from e
-    ids = _encode(m, text, "messages")
+    tools, grammar = _tools(req, m)
+    ids = _encode(m, render_chat(m, req.messages, req.tools, req), "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _engine_request(req, m, ids, max_tokens, logprobs)
+    return _engine_request(req, m, [ids], max_tokens, logprobs, tools=tools, tool_grammar=grammar)
+
+
+def render_chat(m: ModelInfo, messages, tools, options) -> str:
+    """The chat as text, by the model's chat template (tools and chat_template_kwargs passed)."""
+    dicts = []
+    for x in messages:
+        d = {"role": x.role, "content": x.text}
+        if x.name is not None:
+            d["name"] = x.name
+        if x.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in x.tool_calls]
+        if x.tool_call_id is not None:
+            d["tool_call_id"] = x.tool_call_id
+        dicts.append(d)
+    kwargs = dict(options.chat_template_kwargs or {})
+    try:
+        return m.chat_template.render(
+            dicts,
+            tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+            add_generation_prompt=options.add_generation_prompt,
+            **kwargs,
+        )
+    except Exception as e:  # the template's own raise_exception, or a template error
+        raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from e
+
+
+def _tools(req: ChatCompletionRequest, m: ModelInfo) -> tuple[dict | None, GrammarSpec | None]:
+    """-> (the functions to parse calls of, or None: no parsing; the grammar forcing calls)."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise ApiError(400, "tool_choice needs tools", "tool_choice")
+        return None, None
+    funcs = {}
+    for t in req.tools:
+        if t.function.name in funcs:
+            raise ApiError(400, f"two tools are named {t.function.name!r}", "tools")
+        funcs[t.function.name] = t.function.parameters or {"type": "object", "properties": {}}
+    choice = choice or "auto"
+    if choice == "none":
+        return None, None
+    if choice == "auto":
+        return funcs, None
+    if isinstance(choice, str):  # "required"
+        named = list(funcs)
+    else:
+        if choice.function.name not in funcs:
+            raise ApiError(
+                400, f"tool_choice names {choice.function.name!r}, which is not in tools",
+                "tool_choice",
+            )  # fmt: skip
+        named = [choice.function.name]
+    functions = [{"name": k, "parameters": funcs[k]} for k in named]
+    spec = GrammarSpec.tool_calls(functions, 1, 1 if req.parallel_tool_calls is False else 0)
+    _validate_grammar(spec, m, "tools")
+    return funcs, spec
+
+
+def _grammar(req: Request, m: ModelInfo) -> GrammarSpec | None:
+    """response_format, or one of vLLM's guided_* fields, as a grammar (at most one)."""
+    given = [
+        k for k in ("response_format", "guided_json", "guided_regex", "guided_choice",
+                    "guided_grammar")
+        if getattr(req, k) is not None
+        and not (k == "response_format" and req.response_format.type == "text")
+    ]  # fmt: skip
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ApiError(400, f"give one of {', '.join(given)}, not several", given[1])
+    k = given[0]
+    if k == "response_format":
+        rf = req.response_format
+        if rf.type == "json_object":
+            spec = GrammarSpec("json_object")
+        else:
+            spec = GrammarSpec.json_schema(rf.json_schema.schema_)
+    elif k == "guided_json":
+        schema = req.guided_json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise ApiError(400, f"guided_json is not JSON: {e}", k) from None
+        spec = GrammarSpec.json_schema(schema)
+    elif k == "guided_regex":
+        spec = GrammarSpec("regex", req.guided_regex)
+    elif k == "guided_choice":
+        spec = GrammarSpec("regex", "|".join(re.escape(c) for c in req.guided_choice))
+    else:
+        spec = GrammarSpec("lark", req.guided_grammar)
+    _validate_grammar(spec, m, k)
+    return spec
+
+
+def _validate_grammar(spec: GrammarSpec, m: ModelInfo, param: str) -> None:
+    if m.tokenizer is None:
+        raise ApiError(400, f"{param}: structured output needs the model's tokenizer", param)
+    try:
+        validate(spec, m.tokenizer)
+    except Exception as e:  # the grammar engine's own errors say what it cannot compile
+        raise ApiError(400, f"{param}: {e}", param) from None
 
 
 def _common_checks(req: Request, m: ModelInfo) -> None:
@@ -108,20 +268,27 @@ def _common_checks(req: Request, m: ModelInfo) -> None:
         )
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
-    if req.prompt_logprobs is not None and req.stream:
-        _unsupported("prompt_logprobs", "with stream")
 
 
 def _engine_request(
-    req: Request, m: ModelInfo, ids: list[int], max_tokens: int | None, logprobs: int | None
+    req: Request,
+    m: ModelInfo,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    echo: list[str] | None = None,
+    tools: dict | None = None,
+    tool_grammar: GrammarSpec | None = None,
 ) -> EngineRequest:
-    room = m.max_model_len - len(ids)
+    longest = max(prompts, key=len)
+    room = m.max_model_len - len(longest)
     if room < 1 or (max_tokens is not None and max_tokens > room):
         asked = f" + max_tokens={max_tokens}" if max_tokens is not None else ""
         raise ApiError(
             400,
             f"this model's maximum context length is {m.max_model_len} tokens; the request has "
-            f"{len(ids)} prompt tokens{asked}",
+            f"{len(longest)} prompt tokens{asked}",
             "max_tokens" if room >= 1 else ("messages" if hasattr(req, "messages") else "prompt"),
             "context_length_exceeded",
         )
@@ -135,22 +302,55 @@ def _engine_request(
         raise ApiError(400, "stop strings need a tokenizer; use stop_token_ids", "stop")
     stop_ids = tuple(req.stop_token_ids or ())
     _check_ids(stop_ids, m, "stop_token_ids")
-    bad_words = tuple(tuple(_encode(m, w, "bad_words")) for w in req.bad_words or ())
+    bad_words = _bad_words(req.bad_words, m)
+    grammar = _grammar(req, m)
+    if grammar is not None and tool_grammar is not None:
+        raise ApiError(
+            400, "response_format cannot be combined with a forced tool call", "response_format"
+        )
+    grammar = grammar or tool_grammar
+    if grammar is not None and req.ignore_eos:
+        raise ApiError(400, "ignore_eos cannot be combined with structured output", "ignore_eos")
+    plp = prompt_logprobs if prompt_logprobs is not None else req.prompt_logprobs
     try:
-        params = _params(req, m, ids, max_tokens, logprobs, stop, stop_ids, bad_words)
+        params = SamplingParams(
+            **_sampling(req, m),
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            seed=req.seed,
+            stop_token_ids=stop_ids,
+            stop=stop,
+            bad_words=bad_words,
+            logit_bias=_logit_bias(req.logit_bias, m),
+            logprobs=logprobs,
+            prompt_logprobs=plp,
+            ignore_eos=req.ignore_eos,
+            frequency_penalty=req.frequency_penalty,
+            presence_penalty=req.presence_penalty,
+            repetition_penalty=req.repetition_penalty,
+            grammar=grammar,
+            # a tool call's tags may be special tokens: the parser must see them (as vLLM's glm45)
+            skip_special_tokens=req.skip_special_tokens and tools is None,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
     except ValueError as e:  # SamplingParams' own checks name the field first
         raise ApiError(400, str(e), str(e).split("=")[0]) from None
     so = req.stream_options
     return EngineRequest(
-        ids,
+        prompts,
         params,
         req.stream,
         include_usage=bool(so and so.include_usage),
         continuous_usage=bool(so and so.continuous_usage_stats),
+        n=req.n,
+        echo=echo,
+        logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        tools=tools,
     )
 
 
-def _params(req, m, ids, max_tokens, logprobs, stop, stop_ids, bad_words) -> SamplingParams:
+def _sampling(req: Request, m: ModelInfo) -> dict:
     d = m.defaults
 
     def pick(name: str, off):  # the request's value, else the model's default, else off
@@ -160,22 +360,26 @@ def _params(req, m, ids, max_tokens, logprobs, stop, stop_ids, bad_words) -> Sam
     if 0 < temperature < MIN_TEMPERATURE:  # as vLLM: logits / 1e-300 overflow to inf
         log.warning("temperature %g raised to %g", temperature, MIN_TEMPERATURE)
         temperature = MIN_TEMPERATURE
-    return SamplingParams(
+    return dict(
         temperature=temperature,
         top_p=pick("top_p", 1.0),
         top_k=max(pick("top_k", 0), 0),  # -1 is vLLM's "off"
         min_p=pick("min_p", 0.0),
-        max_tokens=max_tokens,
-        min_tokens=req.min_tokens,
-        seed=req.seed,
-        stop_token_ids=stop_ids,
-        stop=stop,
-        bad_words=bad_words,
-        logit_bias=_logit_bias(req.logit_bias, m),
-        logprobs=logprobs,
-        prompt_logprobs=req.prompt_logprobs,
-        ignore_eos=req.ignore_eos,
     )
+
+
+def _bad_words(words: list[str] | None, m: ModelInfo) -> tuple[tuple[int, ...], ...]:
+    """Each word's token ids, and (as vLLM) those of the word after a space, which a BPE
+    tokenizer spells differently: a banned word is banned at the start of a text and inside it."""
+    out: list[tuple[int, ...]] = []
+    for w in words or ():
+        ids = tuple(_encode(m, w, "bad_words"))
+        spaced = tuple(m.tokenizer.encode(" " + w.lstrip(" ")))
+        # the spaced form's own tokens, when the space merges into the word's first token
+        for form in (ids, spaced):
+            if form and form not in out and (form is ids or form[1:] != ids):
+                out.append(form)
+    return tuple(out)
 
 
 MIN_TEMPERATURE = 0.01
@@ -202,14 +406,15 @@ def _check_ids(ids, m: ModelInfo, param: str) -> None:
         )
 
 
-def _encode(m: ModelInfo, text: str, param: str) -> list[int]:
+def _encode(m: ModelInfo, text: str, param: str, where: str | None = None) -> list[int]:
+    where = where or param
     if m.tokenizer is None:
-        raise ApiError(400, f"{param}: this model has no tokenizer; give token ids", param)
+        raise ApiError(400, f"{where}: this model has no tokenizer; give token ids", param)
     ids = m.tokenizer.encode(text)
     if not ids:
-        raise ApiError(400, f"{param}: the text is empty", param)
+        raise ApiError(400, f"{where}: the text is empty", param)
     return ids
 
 
-def _unsupported(param: str, how: str) -> None:
-    raise ApiError(400, f"{param} {how} is not supported by this server", param)
+def _decode(m: ModelInfo, ids: list[int]) -> str:
+    return m.tokenizer.decode(ids) if m.tokenizer is not None else ""

@@ -23,11 +23,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs; SamplingParams allows the same
+MAX_N = 128  # OpenAI's limit on choices per request
 
 
 def _utf8(text: str) -> str:
@@ -67,26 +70,36 @@ class Refuses(Strict):
         return v
 
 
+class JsonSchemaFormat(Strict):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, validate_default=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _with_type(cls, v, info: ValidationInfo):
+        if (v is not None) != (info.data.get("type") == "json_schema"):
+            raise ValueError("is required with type json_schema, and only then")
+        return v
+
+
 class Request(Refuses):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(extra="allow")
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
-        "n": 1,
         "best_of": None,
-        "frequency_penalty": 0.0,
-        "presence_penalty": 0.0,
-        "repetition_penalty": 1.0,
-        "include_stop_str_in_output": False,
-        "skip_special_tokens": True,
         "use_beam_search": False,
         "allowed_token_ids": None,
-        "guided_json": None,
-        "guided_regex": None,
-        "guided_choice": None,
-        "guided_grammar": None,
         "structured_outputs": None,
-        "response_format": None,
         "truncate_prompt_tokens": None,
     }
 
@@ -108,22 +121,23 @@ class Request(Refuses):
     bad_words: list[NonEmptyText] | None = None
     ignore_eos: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # known, not supported yet (see UNSUPPORTED); typed so a wrong type is still a 400
-    n: int = Field(1, ge=1)
-    best_of: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, gt=0, le=100)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    # vLLM's structured-output extras (one at most, and not with response_format)
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: NonEmptyText | None = None
+    guided_choice: list[NonEmptyText] | None = Field(None, min_length=1)
+    guided_grammar: NonEmptyText | None = None  # Lark (llguidance's dialect)
+    # known, not supported (see UNSUPPORTED); typed so a wrong type is still a 400
+    best_of: int | None = Field(None, ge=1)
     use_beam_search: bool = False
     allowed_token_ids: list[TokenId] | None = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     structured_outputs: Any = None
-    response_format: Any = None
     truncate_prompt_tokens: Any = None
 
     @property
@@ -137,11 +151,7 @@ class StreamOptions(Strict):
 
 
 class CompletionRequest(Request):
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {
-        **Request.UNSUPPORTED,
-        "echo": False,
-        "suffix": None,
-    }
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {**Request.UNSUPPORTED, "suffix": None}
 
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
@@ -155,28 +165,81 @@ class TextPart(Strict):
     text: Text
 
 
+class FunctionCall(Strict):
+    name: NonEmptyText
+    arguments: Text  # a JSON object, as text (OpenAI's)
+
+
+class ToolCall(Strict):
+    """A tool call of an earlier assistant turn, fed back."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.:-]{1,64}$")]
+
+
+class Function(Strict):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(Refuses):
-    """One message of a chat. Content is text, or a list of text parts (other part types, tool
-    calls and the "tool" role are refused for now)."""
+    """One message of a chat. Content is text, or a list of text parts (other part types are
+    refused); an assistant turn may carry tool calls instead of content; a "tool" message answers
+    one (tool_call_id)."""
 
     model_config = ConfigDict(extra="allow")  # e.g. reasoning_content from a previous turn
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {
-        "tool_calls": None,
-        "tool_call_id": None,
-        "function_call": None,
-        "audio": None,
-    }
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {"function_call": None, "audio": None}
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     name: Text | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: Text | None = None
+    # declared after role and tool_calls: its validator reads them
+    content: Text | list[TextPart] | None = Field(None, validate_default=True)
     function_call: Any = None
     audio: Any = None
 
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v, info: ValidationInfo):
+        if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError(
+                "is required (it may be null only in an assistant turn with tool_calls)"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        return self
+
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
@@ -185,11 +248,8 @@ class ChatMessage(Refuses):
 class ChatCompletionRequest(Request):
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
         **Request.UNSUPPORTED,
-        "tools": None,
-        "tool_choice": None,
         "functions": None,
         "function_call": None,
-        "parallel_tool_calls": None,
         "audio": None,
         "modalities": None,
         "prediction": None,
@@ -197,9 +257,7 @@ class ChatCompletionRequest(Request):
         "web_search_options": None,
         "echo": False,
         "continue_final_message": False,
-        "add_generation_prompt": True,
         "chat_template": None,
-        "chat_template_kwargs": None,
         "documents": None,
     }
 
@@ -213,12 +271,14 @@ class ChatCompletionRequest(Request):
     service_tier: Text | None = None
     prompt_cache_key: Text | None = None
     safety_identifier: Text | None = None
-    # known, not supported yet
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    # known, not supported
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
     audio: Any = None
     modalities: list[Text] | None = None
     prediction: Any = None
@@ -226,9 +286,7 @@ class ChatCompletionRequest(Request):
     web_search_options: Any = None
     echo: bool = False
     continue_final_message: bool = False
-    add_generation_prompt: bool = True
     chat_template: Any = None
-    chat_template_kwargs: Any = None
     documents: Any = None
 
 
@@ -252,13 +310,24 @@ class CompletionLogprobs(Response):
     text_offset: list[int] = []
 
 
+class PromptLogprob(Response):
+    """vLLM's prompt_logprobs entry: one per token id (the prompt's and the top ones)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # None for the first prompt token
+
+
 class CompletionChoice(Response):
     index: int = 0
     text: str
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None  # vLLM's: the generated ids
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(Response):
@@ -284,9 +353,21 @@ class ChatLogprobs(Response):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(Response):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallOut(Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] = []
 
 
 class ChatChoice(Response):
@@ -303,13 +384,24 @@ class ChatCompletionResponse(Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's (of the one prompt)
+
+
+class ToolCallDelta(Response):
+    """A whole call in one delta (id, name and arguments), which clients accumulate as any."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
 
 
 class Delta(Response):
-    """Only what this chunk adds: {"content": "..."}, or {} with the finish reason."""
+    """Only what this chunk adds: {"content": "..."}, tool calls, or {} with the finish reason."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _present(self, handler):
@@ -365,6 +457,47 @@ class Health(Response):
     detail: str | None = None
 
 
+class Version(Response):
+    version: str
+
+
+class TokenizeRequest(Strict):
+    """vLLM's /tokenize: a prompt, or a chat rendered by the chat template (as for a chat
+    completion: tools, add_generation_prompt and chat_template_kwargs included)."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class TokenizeResponse(Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Strict):
+    model: Text | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(Response):
+    prompt: str
+
+
 Request.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()
+TokenizeRequest.model_rebuild()

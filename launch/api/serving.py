@@ -1,11 +1,16 @@
-"""Completions and chat completions: one engine request each, answered as one JSON body or as
-server-sent events (`data: {chunk}` ... `data: [DONE]`).
+"""Completions and chat completions: each API request is one engine request per choice (prompts
+of a batch x n), answered as one JSON body or as server-sent events (`data: {chunk}` ...
+`data: [DONE]`, chunks of the choices interleaved as they come, each naming its `index`).
 
 The text comes from the engine's deltas (each delta's text once, never the whole output decoded
-again), so the streamed chunks reassemble to exactly the non-streamed answer. A client that goes
-away (during a stream, or while a non-streamed answer is being generated) aborts its request in
-the engine. A refusal at admission is a 400, a failure inside the engine a 500 for that request
-alone; once a stream has started, a failure arrives as an OpenAI error event before `[DONE]`.
+again), so the streamed chunks reassemble to exactly the non-streamed answer; logprobs ride with
+the deltas of their tokens. With tools, the text goes through the GLM tool-call reader
+(tool_calls.py), whole or streamed: calls become OpenAI `tool_calls` (a streamed call is one delta
+when its `</tool_call>` arrives), and a choice that called a tool and stopped finishes with
+"tool_calls". A client that goes away (during a stream, or while a non-streamed answer is being
+generated) aborts all its requests in the engine. A refusal at admission is a 400, a failure inside
+the engine a 500 for that request alone; once a stream has started, a failure arrives as an OpenAI
+error event before `[DONE]`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from fastapi.responses import StreamingResponse
 from fastapi.sse import format_sse_event
 
 from .engine_client import EngineClient, EngineFailed, EngineRefused, Output
-from .engine_request import EngineRequest, ModelInfo, chat_request, completion_request
+from .engine_request import Choice, EngineRequest, ModelInfo, chat_request, completion_request
 from .errors import ApiError, ClientGone
 from .protocol import (
     AssistantMessage,
@@ -41,10 +46,14 @@ from .protocol import (
     Delta,
     ErrorInfo,
     ErrorResponse,
+    PromptLogprob,
     TokenLogprob,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
+from .tool_calls import ToolCallStream, parse_tool_calls
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
@@ -53,7 +62,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 @dataclass
 class Generation:
-    """A non-streamed request's outputs: the text's pieces (joined once: no quadratic string
+    """A non-streamed choice's outputs: the text's pieces (joined once: no quadratic string
     growth over a long output), and the engine's final sequence."""
 
     parts: list[str] = field(default_factory=list)
@@ -64,8 +73,21 @@ class Generation:
     def text(self) -> str:
         return "".join(self.parts)
 
-    def usage(self, prompt_tokens: int) -> Usage:
-        return _usage(prompt_tokens, len(self.seq.output) if self.seq is not None else 0)
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.seq.output) if self.seq is not None else 0
+
+
+@dataclass
+class ChoiceStream:
+    """One streamed choice's state."""
+
+    choice: Choice
+    tokens: int = 0  # so far; at the end the final sequence's (a stop string trimmed)
+    offset: int = 0  # characters sent (completions' text_offset)
+    started: bool = False
+    tools: ToolCallStream | None = None
+    called: bool = False
 
 
 class Serving:
@@ -81,52 +103,79 @@ class Serving:
         return await self._answer(request, er, _ChatShape(self, er))
 
     # ---- one request through the engine --------------------------------------------------------
-    async def _outputs(self, er: EngineRequest, request_id: str) -> AsyncIterator[Output]:
+    async def _outputs(self, c: Choice, request_id: str) -> AsyncIterator[Output]:
         try:
-            async for out in self.engine.generate(er.prompt, er.params, request_id):
-                yield out
+            gen = self.engine.generate(c.prompt, c.params, request_id)
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    yield out
         except EngineRefused as e:
             raise ApiError(400, str(e), None, "engine_refused") from None
         except EngineFailed as e:
             raise ApiError(500, f"the engine failed serving this request: {e}") from None
 
     async def _answer(self, request: Request, er: EngineRequest, shape: _Shape):
-        outputs = self._outputs(er, shape.id)
+        choices = er.choices()
+        one = len(choices) == 1
+        streams = [self._outputs(c, shape.id if one else f"{shape.id}-{c.index}") for c in choices]
         if not er.stream:
-            g = await _until_disconnect(request, _collect(outputs))
-            return shape.response(g)
-        # the first output before the response starts, so a refusal is still a status code
-        first = await _until_disconnect(request, anext(outputs))
+            gens = await _until_disconnect(request, _all([_collect(s) for s in streams]))
+            return shape.response(choices, gens)
+        # the first outputs before the response starts, so a refusal is still a status code
+        firsts = await _until_disconnect(request, _firsts(streams))
         return StreamingResponse(
-            self._events(shape, er, first, outputs),
+            self._events(shape, er, choices, firsts, streams),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
 
     async def _events(
-        self, shape: _Shape, er: EngineRequest, first: Output, outputs: AsyncIterator[Output]
+        self,
+        shape: _Shape,
+        er: EngineRequest,
+        choices: list[Choice],
+        firsts: list[Output],
+        streams: list[AsyncIterator[Output]],
     ) -> AsyncIterator[bytes]:
-        prompt_tokens = len(er.prompt)
-        async with contextlib.aclosing(outputs):  # a dropped stream aborts the request
-            try:
-                for chunk in shape.opening():
+        states = [ChoiceStream(c, tools=ToolCallStream(er.tools) if er.tools else None)
+                  for c in choices]  # fmt: skip
+        queue: asyncio.Queue = asyncio.Queue()
+        pumps = [
+            asyncio.ensure_future(_pump(i, f, s, queue))
+            for i, (f, s) in enumerate(zip(firsts, streams))
+        ]
+        try:
+            for chunk in shape.opening(choices):
+                yield _sse(chunk)
+            running = len(streams)
+            while running:
+                i, out, error = await queue.get()
+                if error is not None:
+                    raise error
+                if out is None:
+                    running -= 1
+                    continue
+                st = states[i]
+                st.tokens = len(out.seq.output) if out.finished else st.tokens + len(out.token_ids)
+                usage = None
+                if er.continuous_usage:
+                    usage = _usage(er.prompt_tokens, sum(s.tokens for s in states))
+                for chunk in shape.chunks(st, out, usage):
                     yield _sse(chunk)
-                out: Output | None = first
-                n = 0  # tokens so far; at the end the final sequence's (a stop string trimmed)
-                while out is not None:
-                    n = len(out.seq.output) if out.finished else n + len(out.token_ids)
-                    usage = _usage(prompt_tokens, n) if er.continuous_usage else None
-                    if out.text:
-                        yield _sse(shape.chunk(out.text, None, usage))
-                    if out.finished:
-                        yield _sse(shape.chunk(None, out.finish_reason, usage))
-                    out = await anext(outputs, None)
-                if er.include_usage:
-                    yield _sse(shape.usage_chunk(_usage(prompt_tokens, n)))
-            except ApiError as e:
-                log.error("stream %s failed: %s", shape.id, e)
-                err = ErrorInfo(message=e.message, type="server_error", code=e.code)
-                yield _sse(ErrorResponse(error=err))
+            if er.include_usage:
+                yield _sse(
+                    shape.usage_chunk(_usage(er.prompt_tokens, sum(s.tokens for s in states)))
+                )
+        except ApiError as e:
+            log.error("stream %s failed: %s", shape.id, e)
+            err = ErrorInfo(message=e.message, type="server_error", code=e.code)
+            yield _sse(ErrorResponse(error=err))
+        finally:  # a dropped stream aborts every choice still running
+            for p in pumps:
+                p.cancel()
+            for s in streams:
+                with contextlib.suppress(Exception):
+                    await s.aclose()
         yield DONE
 
 
@@ -143,9 +192,43 @@ async def _collect(outputs: AsyncIterator[Output]) -> Generation:
     return g
 
 
+async def _all(coros: list[Awaitable]) -> list:
+    """Every result, in order; the first failure (or a cancel) cancels the rest (which aborts
+    their engine requests)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _firsts(streams: list[AsyncIterator[Output]]) -> list[Output]:
+    try:
+        return await _all([anext(s) for s in streams])
+    except BaseException:
+        for s in streams:  # the ones that started are aborted
+            with contextlib.suppress(Exception):
+                await s.aclose()
+        raise
+
+
+async def _pump(i: int, first: Output, stream: AsyncIterator[Output], queue: asyncio.Queue):
+    """One choice's outputs into the shared queue, then (i, None, None); a failure as
+    (i, None, error)."""
+    try:
+        out = first
+        while out is not None:
+            await queue.put((i, out, None))
+            out = await anext(stream, None)
+        await queue.put((i, None, None))
+    except ApiError as e:
+        await queue.put((i, None, e))
+
+
 async def _until_disconnect(request: Request, work: Awaitable):
     """`work`, unless the client disconnects first: then `work` is cancelled (which aborts the
-    engine request) and ClientGone raised."""
+    engine requests) and ClientGone raised."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -191,95 +274,229 @@ class _Shape:
         self.id = self.prefix + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
-    def _tok(self, t: int) -> str:
+    def tok(self, t: int) -> str:
+        """A token's text as OpenAI's logprobs name it."""
         tok = self.s.model.tokenizer
-        return tok.decode([t]) if tok is not None else str(t)
+        if tok is None:
+            return str(t)
+        return tok.decode([t], skip_special_tokens=False)
 
-    def opening(self) -> list:
+    def tok_bytes(self, t: int) -> list[int]:
+        tok = self.s.model.tokenizer
+        if tok is not None and type(tok).__name__ == "ByteTokenizer" and t < 256:
+            return [t]  # a byte of a character split across tokens
+        return list(self.tok(t).encode("utf-8"))
+
+    def prompt_logprobs(self, plps: list, top: int) -> list:
+        """Our per-position logprob dicts -> vLLM's prompt_logprobs ([None, {id: entry}...])."""
+        out: list = [None]
+        for x in plps:
+            entry = {
+                str(t): PromptLogprob(logprob=v, rank=r + 1, decoded_token=self.tok(t))
+                for r, (t, v) in enumerate(x["top"][:top])
+            }
+            entry.setdefault(
+                str(x["token"]),
+                PromptLogprob(
+                    logprob=x["logprob"], rank=x.get("rank"), decoded_token=self.tok(x["token"])
+                ),
+            )
+            out.append(entry)
+        return out
+
+    def opening(self, choices: list[Choice]) -> list:
         return []
 
 
 class _CompletionShape(_Shape):
     prefix = "cmpl-"
 
-    def chunk(self, text: str | None, finish: str | None, usage: Usage | None):
-        choice = CompletionChoice(text=text or "", finish_reason=finish, logprobs=None)
-        return self._chunk([choice], usage)
+    def chunks(self, st: ChoiceStream, out: Output, usage: Usage | None) -> list:
+        c, er = st.choice, self.er
+        text, tokens, lps, tops = "", [], [], []
+        if not st.started:
+            st.started = True
+            if er.echo is not None:  # the prompt first, with its logprobs when asked
+                text = er.echo[c.prompt_index]
+                if er.logprobs is not None:
+                    tokens, lps, tops = self._prompt_lp(c.prompt, out.prompt_logprobs or [])
+        text += out.text
+        if er.logprobs is not None:
+            tokens += [self.tok(x["token"]) for x in out.logprobs]
+            lps += [x["logprob"] for x in out.logprobs]
+            tops += [self._top(x) for x in out.logprobs]
+        chunks = []
+        if text or tokens:
+            lp = None
+            if er.logprobs is not None:
+                lp = CompletionLogprobs(
+                    tokens=tokens,
+                    token_logprobs=lps,
+                    top_logprobs=tops,
+                    text_offset=self._offsets(st.offset, tokens),
+                )
+            st.offset += len(text)
+            chunks.append(self._chunk([CompletionChoice(index=c.index, text=text, logprobs=lp)]))
+        if out.finished:
+            choice = CompletionChoice(index=c.index, text="", finish_reason=out.finish_reason)
+            chunks.append(self._chunk([choice], usage))
+        elif chunks and usage is not None:
+            chunks[-1].usage = usage
+        return chunks
+
+    def _top(self, x: dict) -> dict[str, float]:
+        return {self.tok(t): v for t, v in x["top"][: self.er.logprobs]}
+
+    def _prompt_lp(self, prompt: list[int], plps: list) -> tuple[list, list, list]:
+        tokens = [self.tok(t) for t in prompt]
+        lps = [None] + [x["logprob"] for x in plps]
+        tops = [None] + [self._top(x) for x in plps]
+        return tokens, lps, tops
+
+    def _offsets(self, start: int, tokens: list[str]) -> list[int]:
+        out = []
+        for t in tokens:
+            out.append(start)
+            start += len(t)
+        return out
 
     def usage_chunk(self, usage: Usage):
         return self._chunk([], usage)
 
-    def _chunk(self, choices, usage):
+    def _chunk(self, choices, usage=None):
         return CompletionChunk(
             id=self.id, created=self.created, model=self.s.model.name, choices=choices, usage=usage
         )
 
-    def response(self, g: Generation) -> CompletionResponse:
-        seq, p = g.seq, self.er.params
-        lp = None
-        if p.logprobs is not None:
-            lp = CompletionLogprobs(
-                tokens=[self._tok(t) for t in seq.output],
-                token_logprobs=[x["logprob"] for x in seq.logprobs],
-                top_logprobs=[{self._tok(t): v for t, v in x["top"]} for x in seq.logprobs],
+    def response(self, choices: list[Choice], gens: list[Generation]) -> CompletionResponse:
+        er = self.er
+        out = []
+        for c, g in zip(choices, gens):
+            seq = g.seq
+            text = g.text
+            lp = None
+            if er.logprobs is not None:
+                tokens, lps, tops = [], [], []
+                if er.echo is not None:
+                    tokens, lps, tops = self._prompt_lp(c.prompt, seq.prompt_logprobs)
+                tokens += [self.tok(t) for t in seq.output]
+                lps += [x["logprob"] for x in seq.logprobs]
+                tops += [self._top(x) for x in seq.logprobs]
+                lp = CompletionLogprobs(
+                    tokens=tokens,
+                    token_logprobs=lps,
+                    top_logprobs=tops,
+                    text_offset=self._offsets(0, tokens),
+                )
+            if er.echo is not None:
+                text = er.echo[c.prompt_index] + text
+            plp = None
+            if er.prompt_logprobs is not None:
+                plp = self.prompt_logprobs(seq.prompt_logprobs, er.prompt_logprobs)
+            out.append(
+                CompletionChoice(
+                    index=c.index,
+                    text=text,
+                    finish_reason=g.finish_reason,
+                    logprobs=lp,
+                    token_ids=list(seq.output),
+                    prompt_logprobs=plp,
+                )
             )
-        choice = CompletionChoice(
-            text=g.text,
-            finish_reason=g.finish_reason,
-            logprobs=lp,
-            token_ids=list(seq.output),
-            prompt_logprobs=[None, *seq.prompt_logprobs] if p.prompt_logprobs is not None else None,
-        )
         return CompletionResponse(
             id=self.id,
             created=self.created,
             model=self.s.model.name,
-            choices=[choice],
-            usage=g.usage(len(self.er.prompt)),
+            choices=out,
+            usage=_usage(er.prompt_tokens, sum(g.completion_tokens for g in gens)),
         )
 
 
 class _ChatShape(_Shape):
     prefix = "chatcmpl-"
 
-    def opening(self) -> list:
-        return [self._chunk([ChatChunkChoice(delta=Delta(role="assistant", content=""))], None)]
+    def opening(self, choices: list[Choice]) -> list:
+        first = [ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content=""))
+                 for c in choices]  # fmt: skip
+        return [self._chunk(first)]
 
-    def chunk(self, text: str | None, finish: str | None, usage: Usage | None):
-        delta = Delta(content=text) if text is not None else Delta()
-        return self._chunk([ChatChunkChoice(delta=delta, finish_reason=finish)], usage)
+    def chunks(self, st: ChoiceStream, out: Output, usage: Usage | None) -> list:
+        content, calls = out.text, []
+        if st.tools is not None:
+            content, calls = st.tools.feed(out.text)
+            if out.finished:
+                content += st.tools.finish()
+            st.called = st.called or bool(calls)
+        lp = self._logprobs(out.logprobs) if self.er.logprobs is not None else None
+        chunks = []
+        idx = st.choice.index
+        if content or calls or (lp is not None and lp.content):
+            delta = Delta(
+                content=content or None,
+                tool_calls=[ToolCallDelta(**c) for c in calls] or None,
+            )
+            chunks.append(self._chunk([ChatChunkChoice(index=idx, delta=delta, logprobs=lp)]))
+        if out.finished:
+            reason = self._reason(out.finish_reason, st.called)
+            choice = ChatChunkChoice(index=idx, delta=Delta(), finish_reason=reason)
+            chunks.append(self._chunk([choice], usage))
+        elif chunks and usage is not None:
+            chunks[-1].usage = usage
+        return chunks
+
+    @staticmethod
+    def _reason(reason: str, called: bool) -> str:
+        return "tool_calls" if called and reason == "stop" else reason
+
+    def _logprobs(self, lps) -> ChatLogprobs:
+        return ChatLogprobs(
+            content=[
+                TokenLogprob(
+                    token=self.tok(x["token"]),
+                    logprob=x["logprob"],
+                    bytes=self.tok_bytes(x["token"]),
+                    top_logprobs=[
+                        TopLogprob(token=self.tok(u), logprob=v, bytes=self.tok_bytes(u))
+                        for u, v in x["top"][: self.er.logprobs]
+                    ],
+                )
+                for x in lps
+            ]
+        )
 
     def usage_chunk(self, usage: Usage):
         return self._chunk([], usage)
 
-    def _chunk(self, choices, usage):
+    def _chunk(self, choices, usage=None):
         return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.s.model.name, choices=choices, usage=usage
         )
 
-    def response(self, g: Generation) -> ChatCompletionResponse:
-        seq, p = g.seq, self.er.params
-        lp = None
-        if p.logprobs is not None:
-            lp = ChatLogprobs(
-                content=[
-                    TokenLogprob(
-                        token=self._tok(t),
-                        logprob=x["logprob"],
-                        top_logprobs=[
-                            TopLogprob(token=self._tok(u), logprob=v) for u, v in x["top"]
-                        ],
-                    )
-                    for t, x in zip(seq.output, seq.logprobs)
-                ]
+    def response(self, choices: list[Choice], gens: list[Generation]) -> ChatCompletionResponse:
+        er = self.er
+        out = []
+        for c, g in zip(choices, gens):
+            content, calls = g.text, []
+            if er.tools:
+                content, calls = parse_tool_calls(g.text, er.tools)
+            message = AssistantMessage(
+                content=None if calls and not content else content,
+                tool_calls=[ToolCallOut(**{k: v for k, v in x.items() if k != "index"})
+                            for x in calls],
+            )  # fmt: skip
+            lp = self._logprobs(g.seq.logprobs) if er.logprobs is not None else None
+            reason = self._reason(g.finish_reason, bool(calls))
+            out.append(
+                ChatChoice(index=c.index, message=message, finish_reason=reason, logprobs=lp)
             )
-        choice = ChatChoice(
-            message=AssistantMessage(content=g.text), finish_reason=g.finish_reason, logprobs=lp
-        )
+        plp = None
+        if er.prompt_logprobs is not None:
+            plp = self.prompt_logprobs(gens[0].seq.prompt_logprobs, er.prompt_logprobs)
         return ChatCompletionResponse(
             id=self.id,
             created=self.created,
             model=self.s.model.name,
-            choices=[choice],
-            usage=g.usage(len(self.er.prompt)),
+            choices=out,
+            usage=_usage(er.prompt_tokens, sum(g.completion_tokens for g in gens)),
+            prompt_logprobs=plp,
         )

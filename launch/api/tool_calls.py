@@ -92,7 +92,8 @@ class ToolCallStream:
     Content is held back only while it could be the start of `<tool_call>`; each call is sent
     once, when its `</tool_call>` arrives, as one OpenAI delta (id, name and the whole arguments
     string), which the openai client reassembles like any other. A call that turns out malformed,
-    or is still open at the end, is flushed as content.
+    or is still open at the end, is flushed as content. Whitespace after a call (GLM-4.5's newline
+    between calls) is not content: it is held until text that is not whitespace follows.
     """
 
     def __init__(self, tools: dict[str, dict]):
@@ -106,11 +107,13 @@ class ToolCallStream:
             if not self.in_calls:
                 i = self.buf.find(CALL_OPEN)
                 if i < 0:
-                    keep = _partial_suffix(self.buf, CALL_OPEN)
-                    content += self.buf[: len(self.buf) - keep]
-                    self.buf = self.buf[len(self.buf) - keep :]
+                    out = self.buf[: len(self.buf) - _partial_suffix(self.buf, CALL_OPEN)]
+                    if not (self.index and not out.strip()):
+                        content += out
+                        self.buf = self.buf[len(out) :]
                     return content, calls
-                content += self.buf[:i]
+                if not (self.index and not self.buf[:i].strip()):
+                    content += self.buf[:i]
                 self.buf, self.in_calls = self.buf[i:], True
             j = self.buf.find(CALL_CLOSE)
             if j < 0:
@@ -127,7 +130,7 @@ class ToolCallStream:
     def finish(self) -> str:
         """Whatever is still held back, as content (an unterminated call is text)."""
         rest, self.buf = self.buf, ""
-        return rest
+        return "" if self.index and not rest.strip() else rest
 
 
 def _partial_suffix(text: str, tag: str) -> int:
