@@ -81,7 +81,7 @@ def _fp8_weight_bytes(
     return int(bf16 / 2 * (1 + 4 / (128 * 128)))
 
 
-_SPARSE_DSA = DSAConfig(mode="sparse")
+_SPARSE_DSA = DSAConfig(mode="sparse", prefill_attention="windows")  # Gaudi's form
 
 
 def plan(

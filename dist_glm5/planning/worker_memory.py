@@ -159,15 +159,20 @@ def worker_memory(
     activations = (
         chunk_tokens * wide * 4 * 16
     )  # a dozen or so [chunk, wide] fp32 buffers live at once
-    scores = (
-        dsa.gather_cap_bytes
-    )  # score rows: fp32 scores, int32 order keys, masks (capped, dsa.score_rows)
+    # Each capped temporary costs what this context needs of it, at most its cap (a small context
+    # never fills a 512 MB cap).
+    cap = dsa.gather_cap_bytes
+    rows = min(dsa.indexer_row_chunk, chunk_tokens)
+    scores = min(cap, rows * context * 9)  # score rows: fp32 scores, int32 keys, masks
     masks = (
         2 * chunk_tokens * context
     )  # a full layer's keep-mask, held for the shared layer after it
-    gathers = (
-        4 * dsa.gather_cap_bytes
-    )  # the gather, its fp32 copy, scores and probabilities, each capped
+    width = cfg.kv_cache_dim * 4  # a gathered cache row in fp32
+    if dsa.prefill_attention == "rows":  # each query's own top-k rows
+        need = chunk_tokens * min(context, cfg.index_topk) * width
+    else:  # a window's union or every key, and the window's scores over them
+        need = max(context * width, dsa.window * cfg.num_attention_heads * context * 4)
+    gathers = 4 * min(cap, need)  # the gather, its fp32 copy, scores and probabilities
     return WorkerMemory(
         stage_weight_bytes(cfg, layers, first, last, mtp, tp, ep, dtype_bytes, experts_format),
         mla,
