@@ -63,14 +63,26 @@ def test_masks_pack_to_bits():
     assert torch.equal(unpack_mask(p, 77), m)
 
 
+W = "windows"  # Gaudi's prefill form; the CPU's default is "rows"
 CONFIGS = {
-    "union windows": DSAConfig(mode="sparse", dense_threshold=0, window=16, union_max_frac=1.0),
-    "dense with the selection as mask": DSAConfig(
-        mode="sparse", dense_threshold=0, union_max_frac=1e-9
+    "rows (the CPU default)": DSAConfig(mode="sparse"),
+    "rows, tiny gather cap": DSAConfig(
+        mode="sparse", gather_cap_bytes=24 * 1024, indexer_row_chunk=7
     ),
-    "dense below the threshold": DSAConfig(mode="sparse"),
+    "union windows": DSAConfig(
+        mode="sparse", dense_threshold=0, window=16, union_max_frac=1.0, prefill_attention=W
+    ),
+    "dense with the selection as mask": DSAConfig(
+        mode="sparse", dense_threshold=0, union_max_frac=1e-9, prefill_attention=W
+    ),
+    "dense below the threshold": DSAConfig(mode="sparse", prefill_attention=W),
     "tiny gather cap": DSAConfig(
-        mode="sparse", dense_threshold=0, window=8, gather_cap_bytes=24 * 1024, indexer_row_chunk=7
+        mode="sparse",
+        dense_threshold=0,
+        window=8,
+        gather_cap_bytes=24 * 1024,
+        indexer_row_chunk=7,
+        prefill_attention=W,
     ),
 }
 
@@ -216,3 +228,36 @@ def test_no_nan_with_padding_blocks(default_model, sparse_models):
             )  # one padded decode group
             h, _ = m(torch.tensor([1, 2, 3, 4]), b, cache)
             assert torch.isfinite(h).all() and torch.isfinite(m.logits(m.final_norm(h))).all()
+
+
+def test_selected_slots_and_cache_sized_index_chunks_equal_the_plain_forms():
+    """The decode/rows gather list from a top-k of the mask bytes equals the kept positions in
+    key order (rows keeping fewer than k, padding repeating the first pick), and index scores in
+    cache-sized key chunks equal one unchunked call, bit for bit."""
+    from dist_glm5.model import dsa as D
+    from dist_glm5.model.indexer import index_scores
+    from dist_glm5.model.kv_cache import KeySlots
+
+    g = torch.Generator().manual_seed(0)
+    L, k, bs = 700, 64, 16
+    table = torch.randperm(64, generator=g)[: -(-L // bs)]
+    keys = KeySlots(table, bs, L)
+    keep = torch.zeros(5, L, dtype=torch.bool)
+    for r, n in enumerate((64, 64, 3, 1, 40)):
+        keep[r, torch.randperm(L, generator=g)[:n]] = True
+    slots, valid = D.selected_slots(keep, keys, k)
+    for r in range(5):
+        pos = keep[r].nonzero().squeeze(1)
+        n = pos.numel()
+        assert torch.equal(valid[r], torch.arange(k) < n)
+        assert torch.equal(slots[r, :n], keys.at(pos))
+        assert (slots[r, n:] == keys.at(pos[:1])).all()
+    store = torch.randn(64 * bs, 32, generator=g).bfloat16()
+    q, w = torch.randn(9, 16, 32, generator=g).bfloat16(), torch.randn(9, 16, generator=g)
+    whole = index_scores(q, w, store[keys.range(0, L)], 32)
+    before = D.SCORE_CACHE_BYTES
+    try:
+        D.SCORE_CACHE_BYTES = 9 * 16 * 4 * 48  # 48 keys per chunk: not a block multiple
+        assert torch.equal(D.index_scores_capped(q, w, store, keys, 32, 1 << 30), whole)
+    finally:
+        D.SCORE_CACHE_BYTES = before
