@@ -330,9 +330,8 @@ def serve(spec: StageSpec, coord_addr: str, dist_init: str | None) -> None:
     results and errors out the same way; hidden states over torch.distributed."""
     import zmq
 
+    from dist_glm5.backends.comm import Comm
     from dist_glm5.stages.messages import Hello, Shutdown, StepTiming, WorkerError, pack, unpack
-
-    from .comm import Comm
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

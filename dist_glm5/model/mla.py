@@ -214,14 +214,26 @@ class MLA(nn.Module):
                 toks = g.tok[bi][g.valid[bi]]
                 qpos = g.q_pos[bi][g.valid[bi]]
                 keys = g.keys[bi]  # positions 0..end-1 of this chunk's sequence
-                if self.indexer is not None:
+                fused = (
+                    small
+                    and self.indexer is not None
+                    and self.row_split is None
+                    and self.ops.select_rows is not None
+                    and 0 < toks.numel() <= self.ops.select_rows_max
+                )
+                if fused:  # decode: one scan of the index keys, selection and slots at once
+                    keep, s_, ok = self.ops.select_rows(
+                        iq[toks], iw[toks], idx_store, keys, qpos, self.topk, self.indexer.head_dim
+                    )
+                elif self.indexer is not None:
                     keep = self.select_sparse(iq[toks], iw[toks], idx_store, keys, qpos)
                 else:
                     keep = prev_keep[gi][bi]
                 gkeep.append(keep)
                 q_lat = torch.einsum("nhd,hdc->nhc", q_nope[toks], w_uk)
                 if small:  # decode: gather exactly each row's selected keys
-                    s_, ok = dsa.selected_slots(keep, keys, self.topk)
+                    if not fused:
+                        s_, ok = dsa.selected_slots(keep, keys, self.topk)
                     pad = self.topk - s_.shape[1]
                     sel.append(torch.nn.functional.pad(s_, (0, pad), value=keys.first))
                     sel_ok.append(torch.nn.functional.pad(ok, (0, pad), value=False))

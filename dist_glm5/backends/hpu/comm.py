@@ -1,4 +1,4 @@
-"""Tensors between ranks and stages over HCCL: stages/comm.Comm with Gaudi's rules.
+"""Tensors between ranks and stages over HCCL: backends/comm.Comm with Gaudi's rules.
 
 - Buffers live on the device: HCCL sends HPU tensors only.
 - No tags: HCCL ignores them (ProcessGroupHcclBase::send/recv, `[[maybe_unused]] int tag`), so
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dist_glm5.stages.comm import Comm
+from dist_glm5.backends.comm import Comm
 
 from . import _hf, runtime
 

@@ -1,0 +1,84 @@
+"""The DSA indexer scan + exact top-k for a few query rows, in C (kernels/dsa_select.c).
+
+`select_rows(q, w, idx_store, keys, q_pos, topk, head_dim)` -> (keep [n, L] bool, slots [n, k],
+valid [n, k]): the same contract as scoring with `model/indexer.index_scores` in capped chunks,
+selecting with `ops/topk.select_topk_*` and listing with `model/dsa.selected_slots`, which stay
+the reference beside it. For decode (a few rows over a long context) it reads each index key once
+instead of five passes. `available()` is False when the kernel cannot build or
+DIST_GLM5_KERNELS=0; callers then take the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from .build import load
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("dsa_select.c")
+MAX_ROWS = 16  # more rows than this: the GEMM path (keys reused across rows) is faster
+
+_lib: ctypes.CDLL | None = None
+_loaded = False
+_lock = threading.Lock()
+
+
+def _library() -> ctypes.CDLL | None:
+    global _lib, _loaded
+    if _loaded:
+        return _lib
+    with _lock:
+        if not _loaded:
+            try:
+                off = ("0", "false", "no", "off")
+                if os.environ.get("DIST_GLM5_KERNELS", "1").strip().lower() not in off:
+                    lib = load(SOURCE)
+                    if lib is not None:
+                        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+                        lib.dsa_select.argtypes = [p, p, i, i, i, p, i, p, i, i64, p, i, p, p, p, i]
+                        lib.dsa_select.restype = i
+                        _lib = lib
+            finally:
+                _loaded = True
+    return _lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int):
+    """q [n, Hi, D], w [n, Hi] fp32, idx_store [S, D] (bf16 or fp32), keys: KeySlots of the
+    sequence, q_pos [n] -> (keep [n, L], slots [n, k], valid [n, k]), k = min(topk, L)."""
+    lib = _library()
+    n, H, D = q.shape
+    L = len(keys)
+    k = min(topk, L)
+    if lib is None or idx_store.dtype not in (torch.bfloat16, torch.float32):
+        raise RuntimeError("dsa_select kernel unavailable: use the torch path")
+    qf = q.float().contiguous()
+    wf = (w.float() * head_dim**-0.5).contiguous()
+    store = idx_store if idx_store.is_contiguous() else idx_store.contiguous()
+    table = keys.table.to(torch.int64).contiguous()
+    qp = q_pos.to(torch.int64).contiguous()
+    scores = torch.empty(n, L, dtype=torch.float32)
+    pos = torch.zeros(n, k, dtype=torch.int64)
+    cnt = torch.empty(n, dtype=torch.int32)
+    rc = lib.dsa_select(
+        qf.data_ptr(), wf.data_ptr(), n, H, D, store.data_ptr(),
+        int(store.dtype == torch.bfloat16), table.data_ptr(), keys.block_size, L, qp.data_ptr(),
+        k, scores.data_ptr(), pos.data_ptr(), cnt.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"dsa_select failed ({rc}): index_head_dim {D} > 256?")
+    valid = torch.arange(k) < cnt[:, None]
+    pos = torch.where(valid, pos, pos[:, :1])  # padding repeats the first pick
+    keep = torch.zeros(n, L, dtype=torch.bool)
+    keep.scatter_(1, pos, True)  # padding repeats a kept position
+    return keep, keys.at(pos), valid
