@@ -83,10 +83,20 @@ TRAIN_CONFIG = {
 }
 MTP_WEIGHT = 0.3
 BIAS_RATE = 1e-3
-# phases: (fraction of the steps, sequence length, batch, sparse selection on)
-PHASES = [(0.5, 512, 4, False), (0.35, 1024, 2, True), (0.15, 2048, 1, True)]
-NEEDLE_FRACTION = 0.3
-COPY_FRACTION = 0.3  # repeated spans: copying (induction) forms early, needles need it
+# phases: (last step, sequence length, batch, sparse selection on, data mix)
+PHASES = [
+    (425, 512, 4, False, "base"),
+    (625, 512, 4, False, "induction"),  # by step 425 the model did not copy yet: drill it
+    (850, 1024, 2, True, "long"),
+    (950, 2048, 1, True, "long"),
+]
+# data mixes: fractions of needle documents, copy documents (spans of code repeated), repeat
+# documents (random strings repeated: only copying predicts them); the rest plain code
+MIXES = {
+    "base": {"needle": 0.3, "copy": 0.3, "repeat": 0.0},
+    "induction": {"needle": 0.25, "copy": 0.0, "repeat": 0.5},
+    "long": {"needle": 0.35, "copy": 0.15, "repeat": 0.2},
+}
 
 
 # ---- the model -------------------------------------------------------------------------------
@@ -356,33 +366,33 @@ class Data:
         start = rng.randrange(0, len(self.text) - n)
         return self.text[start : start + n]
 
-    def row(self, rng: random.Random, n: int) -> list[int]:
-        u = rng.random()
-        if u < NEEDLE_FRACTION:
+    def row(self, rng: random.Random, n: int, mix: str) -> list[int]:
+        f, u = MIXES[mix], rng.random()
+        if u < f["needle"]:
             if rng.random() < 0.5:
                 filler = self.window(rng, n)
             else:
                 filler = self.corpus.prose_filler(rng, n, classic=rng.random() < 0.3)
             k = rng.choice([2, 3, 4, 6, 8])
             doc = self.corpus.needle_training_doc(rng, filler, k)
-        elif u < NEEDLE_FRACTION + COPY_FRACTION:
+        elif u < f["needle"] + f["copy"]:
             doc = self.corpus.copy_training_doc(rng, self.window(rng, n), rng.choice([1, 2, 3]))
+        elif u < f["needle"] + f["copy"] + f["repeat"]:
+            doc = self.corpus.repeat_training_doc(rng, self.window(rng, n), n)
         else:
             doc = self.window(rng, n)
         doc = (doc + b"\n" * n)[:n]
         return list(doc)
 
-    def batch(self, step: int, seq: int, batch: int) -> torch.Tensor:
+    def batch(self, step: int, seq: int, batch: int, mix: str = "base") -> torch.Tensor:
         rng = random.Random(self.seed * 1_000_003 + step)
-        return torch.tensor([self.row(rng, seq) for _ in range(batch)])
+        return torch.tensor([self.row(rng, seq, mix) for _ in range(batch)])
 
 
-def phase_of(step: int, steps: int):
-    edge = 0
-    for frac, seq, batch, sparse in PHASES:
-        edge += frac * steps
-        if step < edge:
-            return seq, batch, sparse
+def phase_of(step: int):
+    for end, seq, batch, sparse, mix in PHASES:
+        if step < end:
+            return seq, batch, sparse, mix
     return PHASES[-1][1:]
 
 
@@ -396,7 +406,7 @@ def lr_at(step: int, steps: int, peak: float, warmup: int = 50) -> float:
 # ---- the run -----------------------------------------------------------------------------------
 def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="train-default", help="run directory (state, log, export)")
-    p.add_argument("--steps", type=int, default=850)
+    p.add_argument("--steps", type=int, default=PHASES[-1][0])
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -436,11 +446,11 @@ def run(args) -> int:
     bar = tqdm(total=args.steps, initial=step, desc="train", dynamic_ncols=True)
     t0 = time.time()
     while step < args.steps:
-        seq, batch, sparse = phase_of(step, args.steps)
+        seq, batch, sparse, mix = phase_of(step)
         tr.set_sparse(sparse)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr)
-        ids = data.batch(step, seq, batch)
+        ids = data.batch(step, seq, batch, mix)
         tr.rows_gen.manual_seed(args.seed * 1_000_003 + step)
         tr.model.train()
         ls = tr.losses(ids)

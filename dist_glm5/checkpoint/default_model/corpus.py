@@ -182,3 +182,17 @@ def copy_training_doc(rng: random.Random, text: bytes, n_copies: int) -> bytes:
         dst = rng.randrange(src + size + 8, n - size)
         out[dst : dst + size] = out[src : src + size]
     return bytes(out)
+
+
+def repeat_training_doc(rng: random.Random, code: bytes, n: int) -> bytes:
+    """Random strings (8..48 chars) each said 2..4 times with a little code between: nothing but
+    copying predicts their repeats, so this is where a small model learns to copy."""
+    chars = VALUE_CHARS + "ABCDEFGHJKLMNPQRSTUVWXYZ_-"
+    parts, size = [], 0
+    while size < n:
+        s = "".join(rng.choice(chars) for _ in range(rng.randint(8, 48))).encode()
+        for _ in range(rng.randint(2, 4)):
+            a = rng.randrange(0, max(1, len(code) - 64))
+            parts += [s, b" ", code[a : a + rng.randint(0, 64)], b"\n"]
+            size += len(s) + 66
+    return b"".join(parts)[:n]
