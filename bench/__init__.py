@@ -19,6 +19,7 @@ def register(p: argparse.ArgumentParser) -> None:
         quality,
         roofline,
         serve,
+        structured,
         train_default,
     )
 
@@ -60,6 +61,13 @@ def register(p: argparse.ArgumentParser) -> None:
     engine_host.register(
         sub.add_parser(
             "engine-host", help="host time of one decode step (plan + metadata) vs context"
+        )
+    )
+    structured.register(
+        sub.add_parser(
+            "structured",
+            help="grammar mask ms per decode step (large JSON schema, byte and GLM-5-sized "
+            "vocabularies) and structured vs free tok/s at batch 1 and 16",
         )
     )
     pipeline.register(

@@ -24,7 +24,7 @@ def register(p: argparse.ArgumentParser) -> None:
         nargs="*",
         default=[],
         help="benchmarks to leave out (generate kernels decode encoder longctx pipeline serve "
-        "engine-host)",
+        "engine-host structured)",
     )
     p.set_defaults(func=run)
 
@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         pipeline,
         roofline,
         serve,
+        structured,
     )
 
     plan = [
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         ("pipeline", pipeline, []),
         ("serve", serve, []),
         ("engine-host", engine_host, []),
+        ("structured", structured, []),
         ("roofline", roofline, []),
     ]
     res, md = {}, ["| benchmark | measurement | value |", "|---|---|---|"]
@@ -151,6 +153,19 @@ def run(args: argparse.Namespace) -> int:
                 f"| engine host | one decode step, {r['sequences']} sequences at {r['context']} "
                 f"tokens (x of {e['rows'][0]['context']}) | {r['step_ms']:.3f} ms "
                 f"({r['step_ms'] / e['rows'][0]['step_ms']:.2f}x) |"
+            )
+    if "structured" in res:
+        s = res["structured"]
+        for k in ("mask_model_vocab", "mask_glm5_vocab"):
+            m = s[k]
+            md.append(
+                f"| structured output | grammar mask per decode step, large JSON schema, "
+                f"{m['vocab']}-token vocabulary | {m['step_ms']['mean']:.3f} ms |"
+            )
+        for r in s["engine"]:
+            md.append(
+                f"| structured output | batch {r['batch']}: structured / free tok/s (step ms) | "
+                f"{r['ratio']:.2f}x ({r['structured_step_ms']:.1f} / {r['free_step_ms']:.1f}) |"
             )
     for r in res.get("roofline", []):
         md.append(

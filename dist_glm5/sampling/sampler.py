@@ -61,7 +61,7 @@ def grammar_mask(processed: torch.Tensor, raw: torch.Tensor, allowed: torch.Tens
     request's own bans (min_tokens, bad_words, a -100 bias) removed every allowed token, the
     grammar wins: the raw logits under the mask (a forced output must still complete)."""
     x = processed.masked_fill(~allowed, float("-inf"))
-    if not bool(torch.isfinite(x).any()):
+    if float(x.max()) == float("-inf"):
         if not bool(allowed.any()):
             raise RuntimeError("the grammar allows no token here")
         x = raw.float().masked_fill(~allowed, float("-inf"))
