@@ -109,7 +109,9 @@ class RayPipeline:
         import ray
 
         nodes = [n for n in ray.nodes() if n["Alive"]]
-        spread = self.stages > 1 and len(nodes) >= self.stages
+        # Ray "nodes" on one host (a test cluster) share its cores: count hosts, not nodes
+        hosts = {n.get("NodeManagerAddress") for n in nodes}
+        spread = self.stages > 1 and len(hosts) >= self.stages
         per_node = self.ranks if spread else self.stages * self.ranks
         cpus = min(int(n["Resources"].get("CPU", 1)) for n in nodes)
         return max(1, min(cpus, os.cpu_count() or 1) // per_node)
