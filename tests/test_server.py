@@ -128,7 +128,7 @@ def test_bad_requests_get_4xx_and_serving_goes_on(single):
     for kw, status in [
         (dict(model="nope", prompt="x"), 404),
         (dict(model=model, prompt="x", max_tokens=-1), 400),
-        (dict(model=model, prompt="x", echo=True), 400),  # an OpenAI field not supported yet
+        (dict(model=model, prompt="x", suffix="y"), 400),  # an OpenAI field not supported
         (dict(model=model, prompt="x" * 5000, max_tokens=4), 400),
         (dict(model=model, prompt=[1, 2, 99999]), 400),
     ]:
