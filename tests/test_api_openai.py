@@ -226,3 +226,14 @@ def test_tokenize_detokenize_version_and_request_id(server):
     assert bad.status_code == 400 and bad.headers["x-request-id"] == "trace-42"
     a, b = (httpx.get(u + "/version").headers["x-request-id"] for _ in range(2))
     assert a != b and len(a) == 32
+
+
+def test_bad_words_are_banned_with_and_without_a_leading_space():
+    """As vLLM: a BPE spells " word" differently from "word"; both are banned."""
+    from dist_glm5.launch.api.engine_request import ModelInfo, _bad_words
+
+    class Bpe:
+        def encode(self, text):
+            return {"word": [1, 2], " word": [3], "ab": [4, 5], " ab": [6, 4, 5]}[text]
+
+    assert _bad_words(["word", "ab"], ModelInfo("m", 64, 10, Bpe())) == ((1, 2), (3,), (4, 5))

@@ -155,3 +155,15 @@ def test_stop_strings_kept_on_request_and_special_tokens_shown(default_model_dir
     eos = SP(max_tokens=3, logit_bias={EOS: 100.0}, skip_special_tokens=False)
     s, s2 = c.run([P[0], P[0]], [eos, replace(eos, include_stop_str_in_output=True)])
     assert s.output == [EOS] and s.text == "" and s2.text == "<eos>"
+
+
+def test_logprobs_under_mtp_and_a_grammar_are_those_without(default_model_dir, alone):
+    """The verify rows (draft + bonus) give each emitted token the logprobs of its own row."""
+    p = replace(ROWS[0], logprobs=3)
+    a = coordinator(default_model_dir).run([P[0]], [p])[0]
+    b = coordinator(default_model_dir, mtp=True).run([P[0]], [p])[0]
+    assert a.output == b.output == alone[0].output and b.drafts_accepted > 0
+    assert len(a.logprobs) == len(b.logprobs) == len(a.output)
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert x["token"] == y["token"] and abs(x["logprob"] - y["logprob"]) < 1e-4
+        assert [t for t, _ in x["top"]] == [t for t, _ in y["top"]]
