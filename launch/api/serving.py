@@ -224,6 +224,9 @@ async def _pump(i: int, first: Output, stream: AsyncIterator[Output], queue: asy
         await queue.put((i, None, None))
     except ApiError as e:
         await queue.put((i, None, e))
+    except Exception as e:  # a bug: the stream ends with an error event, it never hangs
+        log.exception("choice %d of a stream failed", i)
+        await queue.put((i, None, ApiError(500, f"internal error: {type(e).__name__}: {e}")))
 
 
 async def _until_disconnect(request: Request, work: Awaitable):
