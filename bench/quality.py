@@ -51,7 +51,7 @@ def register(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--stages", type=int, default=2, help="pipeline stages for the sparse path")
     p.add_argument("--repeat-count", type=int, default=2000)
-    p.add_argument("--mtp-tokens", type=int, default=64)
+    p.add_argument("--mtp-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.set_defaults(func=run)
 

@@ -1,0 +1,77 @@
+"""The shipped trained default model: it loads in our runtime and in transformers with the same
+logits, and its held-out loss is the one recorded when it was trained (a guard against shipping
+broken or different weights)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dist_glm5.checkpoint.default_model import TRAINED_DIR, ensure_default_model
+from dist_glm5.checkpoint.default_model.corpus import frozen_heldout
+
+# Recorded by `dist-glm5 bench train-default --export` (bench/train_default.py: heldout_loss, run
+# by transformers in fp32 on the exported bf16 weights) when the shipped weights were written;
+# also in trained/train_report.json. Slice: heldout.json texts 0 and 1, first 1024 bytes each.
+RECORDED_HELDOUT_LOSS = 1.7136149406433105  # nats per byte
+
+pytestmark = pytest.mark.skipif(
+    not (TRAINED_DIR / "model.safetensors").exists(), reason="no trained weights in this tree"
+)
+
+
+@pytest.fixture(scope="module")
+def ours():
+    from dist_glm5.checkpoint.loader import load_model
+
+    return load_model(TRAINED_DIR, dtype=torch.float32)
+
+
+def _slice() -> list[list[int]]:
+    return [list(t["text"].encode()[:1024]) for t in frozen_heldout()[:2]]
+
+
+def test_default_model_is_the_shipped_trained_one():
+    assert ensure_default_model() == TRAINED_DIR
+    size = sum(p.stat().st_size for p in TRAINED_DIR.iterdir())
+    assert size <= 20 * 2**20, f"shipped model is {size / 2**20:.1f} MiB"
+    report = json.loads((TRAINED_DIR / "train_report.json").read_text())
+    assert report["heldout_loss_test_slice"] == pytest.approx(RECORDED_HELDOUT_LOSS, rel=1e-6)
+
+
+def test_same_logits_as_transformers(ours, tmp_path):
+    from conftest import require
+
+    transformers = require("transformers")
+    from dist_glm5.bench.generate_vs_hf import hf_copy
+    from dist_glm5.model.reference_loop import full_logits
+
+    ref = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        hf_copy(TRAINED_DIR, tmp_path), dtype=torch.float32
+    ).eval()
+    ids = _slice()[0][:400]  # > index_topk (64): the DSA selection is active in both
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+        got = full_logits(ours, ids).float()
+    err = (got - want).abs().max().item()
+    assert err <= 1e-3, f"logits differ by {err:.2e}"
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_heldout_loss_is_the_recorded_one(ours):
+    from dist_glm5.model.reference_loop import full_logits
+
+    nats, n = 0.0, 0
+    with torch.no_grad():
+        for ids in _slice():
+            lo = full_logits(ours, ids).float()
+            nats += torch.nn.functional.cross_entropy(
+                lo[:-1], torch.tensor(ids[1:]), reduction="sum"
+            ).item()
+            n += len(ids) - 1
+    loss = nats / n
+    assert abs(loss - RECORDED_HELDOUT_LOSS) <= 0.02 * RECORDED_HELDOUT_LOSS, (
+        f"held-out loss {loss:.4f} vs {RECORDED_HELDOUT_LOSS:.4f} recorded at training time"
+    )
