@@ -117,10 +117,10 @@ def run(args: argparse.Namespace) -> int:
             log.warning("hpu: %s=%s (default; export it to override)", k, v)
         backend = get_backend("hpu")  # says clearly what is missing on a machine without Gaudi
         raise RuntimeError(
-            f"the hpu backend loads (ops {backend.ops().name!r}: native MXFP4 MoE, int32 top-k) "
-            "but the engine does not build its workers on it yet: attention, norms and rope run "
-            "the CPU math and stages use the gloo communicator (README: Running on Gaudi 2); "
-            "use --backend cpu, or --dry-run to plan"
+            f"the hpu backend loads (ops {backend.ops().name!r}: native MXFP4 MoE, int32 top-k, "
+            "FusedSDPA, fused RMSNorm) but the engine does not build its workers on it yet: they "
+            "place the model on the CPU and use the gloo communicator, without buckets or warm-up "
+            "(README: Running on Gaudi 2); use --backend cpu, or --dry-run to plan"
         )
     return serve(args, d, cfg)
 
