@@ -150,7 +150,7 @@ def test_needle_two_stage_sparse_answer_equals_the_reference_path(needle_answer)
     strict=True,
     reason="the shipped model does not copy yet (bench quality: needles 0/3 at 4K on both "
     "fillers, its loss on repeated spans no lower than on fresh text): retrieval did not form "
-    "in ~1.2M training tokens; a model that finds it must drop this mark",
+    "in ~2M training tokens; a model that finds it must drop this mark",
 )
 def test_needle_found_through_two_stages_with_sparse_dsa(needle_answer):
     got, value, _ = needle_answer
