@@ -24,10 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 from pathlib import Path
 
 import torch
+
+from dist_glm5.bench.generate_vs_hf import best
 
 log = logging.getLogger(__name__)
 
@@ -94,15 +95,6 @@ def small_model_dirs() -> tuple[Path, Path]:
         log.info("encoding its routed experts to MXFP4 in %s", mx)
         convert_glm53(bf16, mx)
     return bf16, mx
-
-
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def measure_ours(model, prompt: list[int], new_tokens: int, repeats: int) -> dict:

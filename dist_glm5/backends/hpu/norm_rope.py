@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dist_glm5.model.rope import apply_rope as reference_apply_rope
+
 from . import _hf
 
 _UNIT: dict[tuple[int, torch.device], Tensor] = {}
@@ -31,18 +33,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
-    """Same math as model/rope.apply_rope: x [T, ..., dim], cos/sin [T, dim/2] (fp32) ->
-    half-split output [rotated evens | rotated odds]."""
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
-    cos = cos.to(x.dtype).view(shape)
-    sin = sin.to(x.dtype).view(shape)
-    if interleave:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+# RoPE itself is plain elementwise torch that lowers to TPC as it is: the reference serves
+# (model/rope.apply_rope); what Gaudi needs differently is the table (DeviceRopeTable below).
+apply_rope = reference_apply_rope
 
 
 @dataclass(frozen=True)
