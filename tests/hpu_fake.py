@@ -15,11 +15,12 @@ FAKE = str(Path(__file__).parent / "fake_habana")
 def install():
     if FAKE not in sys.path:
         sys.path.insert(0, FAKE)
-    import habana_frameworks
-    import habana_frameworks.torch.core  # noqa: F401  (registers the native ops)
+    from dist_glm5.backends.hpu import _hf
 
-    habana_frameworks.reset()
-    return habana_frameworks
+    _hf.core()  # through the backend's one importer, as the runtime loads it; registers the ops
+    fake = sys.modules["habana_frameworks"]
+    fake.reset()
+    return fake
 
 
 def uninstall() -> None:

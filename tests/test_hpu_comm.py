@@ -42,9 +42,11 @@ def _child(rank: int, tmp: str) -> None:
     sys.path.insert(0, FAKE)
     os.environ["PT_HPU_LAZY_MODE"] = "1"
     torch.set_num_threads(1)
-    import habana_frameworks
-
+    from dist_glm5.backends.hpu import _hf
     from dist_glm5.backends.hpu.comm import HcclComm
+
+    _hf.core()  # the fake, loaded through the backend's one importer
+    habana_frameworks = sys.modules["habana_frameworks"]
 
     log: list[dict] = []
     _spy(log)

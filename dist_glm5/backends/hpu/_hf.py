@@ -57,3 +57,10 @@ def bridge_config() -> ModuleType | None:
 def import_hccl() -> None:
     """Registers the 'hccl' torch.distributed backend."""
     _import("habana_frameworks.torch.distributed.hccl")
+
+
+def plugin_dirs() -> tuple[str, str]:
+    """(include dir, lib dir) of the installed habana_pytorch plugin: for building the TPC torch
+    op (kernels/tpc/torch_op/setup.py)."""
+    lib_utils = _import("habana_frameworks.torch.utils.lib_utils")
+    return lib_utils.get_include_dir(), lib_utils.get_lib_dir()

@@ -3,9 +3,13 @@ from this folder (see kernels/tpc/README.md). Never run on CPU machines."""
 
 import os
 
-from habana_frameworks.torch.utils.lib_utils import get_include_dir, get_lib_dir
 from setuptools import setup
 from torch.utils import cpp_extension
+
+# the plugin's headers and library, through the backend's one habana importer
+from dist_glm5.backends.hpu._hf import plugin_dirs
+
+INCLUDE_DIR, LIB_DIR = plugin_dirs()
 
 # the plugin matches the execution mode the library will be loaded in (Model-References example)
 LAZY = os.environ.get("PT_HPU_LAZY_MODE", "1") == "1"
@@ -16,8 +20,8 @@ setup(
         cpp_extension.CppExtension(
             "glm5_ops",
             ["glm5_ops.cpp"],
-            include_dirs=[get_include_dir(), "/usr/include/habanalabs"],
-            library_dirs=[get_lib_dir()],
+            include_dirs=[INCLUDE_DIR, "/usr/include/habanalabs"],
+            library_dirs=[LIB_DIR],
             libraries=["habana_pytorch_plugin" if LAZY else "habana_pytorch2_plugin"],
             extra_compile_args=["-std=c++17"],
         )

@@ -3,8 +3,8 @@ registers the native ops and the `hpu_backend` compile backend, as the real impo
 
 from __future__ import annotations
 
-from habana_frameworks import record
-from habana_frameworks.torch import _fake_ops
+from ... import record
+from .. import _fake_ops
 
 _fake_ops.register()
 

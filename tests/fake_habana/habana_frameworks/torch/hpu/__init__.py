@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from habana_frameworks import record
+from ... import record
 
 
 def wrap_in_hpu_graph(

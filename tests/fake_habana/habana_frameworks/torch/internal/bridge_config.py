@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-from habana_frameworks import record
+from ... import record
 
 CURRENT: dict[str, object] = {}
 

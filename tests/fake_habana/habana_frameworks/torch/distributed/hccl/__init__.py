@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from habana_frameworks import record
+from .... import record
 
 
 def _make_gloo(store, rank, size, timeout):

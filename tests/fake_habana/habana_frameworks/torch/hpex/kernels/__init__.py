@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from habana_frameworks import record
+from .... import record
 
 _MODES = ("None", "none", "fast", "fp32")
 

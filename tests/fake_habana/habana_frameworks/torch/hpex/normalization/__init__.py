@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from habana_frameworks import record
+from .... import record
 
 
 class FusedRMSNorm:
