@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 DEFAULT_FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-fopenmp", "-lm")
 
 
+def disabled() -> bool:
+    """DIST_GLM5_KERNELS=0 (or false/no/off): every C kernel off, the references run."""
+    return os.environ.get("DIST_GLM5_KERNELS", "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def cache_dir() -> Path:
     home = os.environ.get("DIST_GLM5_HOME")
     base = Path(home) if home else Path.home() / ".cache" / "dist_glm5"

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from pathlib import Path
 
 import torch
 
-from .build import load
+from .build import disabled, load
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("dsa_select.c")
@@ -36,8 +35,7 @@ def _library() -> ctypes.CDLL | None:
     with _lock:
         if not _loaded:
             try:
-                off = ("0", "false", "no", "off")
-                if os.environ.get("DIST_GLM5_KERNELS", "1").strip().lower() not in off:
+                if not disabled():
                     lib = load(SOURCE)
                     if lib is not None:
                         p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .build import load
+from .build import disabled, load
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ def _library() -> ctypes.CDLL | None:
 def _load() -> None:
     global _lib, _loaded, _isa
     try:
-        if os.environ.get("DIST_GLM5_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        if disabled():
             log.info("DIST_GLM5_KERNELS=0: MXFP4 MoE kernel disabled, using the reference path")
             return
         lib = load(SOURCE)
