@@ -35,6 +35,7 @@ class KeySlots:
     table: torch.Tensor  # [blocks] int64, covering at least `length` positions
     block_size: int
     length: int
+    first_block: int | None = None  # table[0] known on the host (no read of the table)
 
     def __len__(self) -> int:
         return self.length
@@ -49,8 +50,10 @@ class KeySlots:
 
     @property
     def first(self) -> int:
-        """The slot of position 0 (always written: padding repeats it)."""
-        return int(self.table[0]) * self.block_size
+        """The slot of position 0 (always written: padding repeats it). From the host copy of
+        the first block when the cache gave it: a device graph reads no value back."""
+        b = self.first_block if self.first_block is not None else int(self.table[0])
+        return b * self.block_size
 
 
 class _Table:
@@ -59,6 +62,7 @@ class _Table:
     def __init__(self) -> None:
         self.t = torch.empty(8, dtype=torch.int64)
         self.n = 0
+        self.first: int | None = None  # block 0 on the host
 
     def extend(self, blocks: list[int]) -> None:
         if self.n + len(blocks) > self.t.shape[0]:
@@ -66,6 +70,8 @@ class _Table:
             grown[: self.n] = self.t[: self.n]
             self.t = grown
         self.t[self.n : self.n + len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        if self.n == 0:
+            self.first = blocks[0]
         self.n += len(blocks)
 
     def view(self) -> torch.Tensor:
@@ -104,6 +110,7 @@ class AttnGroup:
     valid: torch.Tensor  # [B, n] real query rows
     q_pos: torch.Tensor  # [B, n] absolute query positions
     keys: list[KeySlots]  # per chunk, its key positions 0..end-1
+    real: torch.Tensor | None = None  # [R] flat indices (b * n + j) of the valid rows, host-made
     _slots: torch.Tensor | None = None
 
     @property
@@ -145,17 +152,21 @@ class PagedKVCache:
         block_size: int = 64,
         dtype: torch.dtype = torch.float32,
         allocate: bool = True,
+        device: torch.device | str | None = None,
     ):
         """allocate: a standalone cache that grows tables itself in prepare(); a worker's cache
-        (allocate=False) only holds the tables its plans send (`assign`)."""
+        (allocate=False) only holds the tables its plans send (`assign`). device: where the
+        storage lives (default: the CPU); block tables and metadata stay on the host."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ledger = BlockManager(num_blocks, block_size) if allocate else None
         n = num_blocks * block_size
         # empty, not zeros: only written slots are ever read (padding repeats a written slot), and
         # untouched pages of a long-context cache then cost no memory until used
-        self.kv = {l: torch.empty(n, cfg.kv_cache_dim, dtype=dtype) for l in layers}
+        self.kv = {l: torch.empty(n, cfg.kv_cache_dim, dtype=dtype, device=device) for l in layers}
         self.index_k = {
-            l: torch.empty(n, cfg.index_head_dim, dtype=dtype) for l in layers if cfg.has_indexer(l)
+            l: torch.empty(n, cfg.index_head_dim, dtype=dtype, device=device)
+            for l in layers
+            if cfg.has_indexer(l)
         }
         self.tables: dict[int, _Table] = {}
 
@@ -186,7 +197,7 @@ class PagedKVCache:
                     f"sequence {c.seq_id} writes positions up to {c.end - 1} but its block table "
                     f"covers {have}: the plan did not send its blocks"
                 )
-            k = KeySlots(table.view(), self.block_size, c.end)
+            k = KeySlots(table.view(), self.block_size, c.end, table.first)
             p = torch.arange(c.start, c.end, dtype=torch.int64)
             pos.append(p)
             write.append(k.at(p))
@@ -223,5 +234,6 @@ def make_groups(
             q_pos[r] = c.start
             q_pos[r, : c.length] = torch.arange(c.start, c.end)
             valid[r, : c.length] = True
-        out.append(AttnGroup(ids, tok, valid, q_pos, [keys[i] for i in ids]))
+        real = torch.cat([torch.arange(r * n, r * n + chunks[i].length) for r, i in enumerate(ids)])
+        out.append(AttnGroup(ids, tok, valid, q_pos, [keys[i] for i in ids], real))
     return out

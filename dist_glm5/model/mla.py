@@ -175,7 +175,8 @@ class MLA(nn.Module):
                 self.scale,
                 self.nope,
             )
-            out[g.tok[g.valid]] = o[g.valid]
+            # the valid rows by their indices (made on the host), not by a boolean mask
+            out[g.tok.view(-1)[g.real]] = o.flatten(0, 1)[g.real]
         return self.o_proj(out.reshape(T, h * self.v_dim)), keeps
 
     def select_dense(self, iq, iw, keys, q_pos):
@@ -211,8 +212,9 @@ class MLA(nn.Module):
             small = g.tok.shape[1] <= SMALL_CHUNK
             gkeep, sel, sel_ok, toks_all = [], [], [], []
             for bi in range(g.tok.shape[0]):
-                toks = g.tok[bi][g.valid[bi]]
-                qpos = g.q_pos[bi][g.valid[bi]]
+                # the real rows are a prefix of the padded ones: a slice, not a boolean mask
+                n_real = batch.chunks[g.chunk_ids[bi]].length
+                toks, qpos = g.tok[bi, :n_real], g.q_pos[bi, :n_real]
                 keys = g.keys[bi]  # positions 0..end-1 of this chunk's sequence
                 fused = (
                     small
