@@ -122,6 +122,7 @@ def engine_config(
         profile=profile,
         address=args.address,
         host=args.host,
+        backend=getattr(args, "backend", "cpu"),
     )
 
 

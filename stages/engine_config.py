@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, replace
 from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.stages.scheduler import SchedulerConfig
 
+BACKENDS = ("cpu", "hpu")  # the names dist_glm5.backends.get_backend knows
+
 
 @dataclass(frozen=True, order=True)
 class StageId:
@@ -88,8 +90,13 @@ class EngineConfig:
     profile: bool = False  # record profiler spans and send them with every step
     address: str | None = None  # an existing Ray cluster; None: in process, or a local cluster
     host: str = "127.0.0.1"  # the address our sockets bind and advertise
+    backend: str = "cpu"  # dist_glm5.backends: where every worker places and runs its stage
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"backend {self.backend!r}: choose one of {', '.join(BACKENDS)} (--backend)"
+            )
         if self.scheduler.mtp != self.mtp:  # one source of truth: the engine's flag
             object.__setattr__(self, "scheduler", replace(self.scheduler, mtp=self.mtp))
         if self.dtype not in (None, "float32", "bfloat16"):

@@ -134,6 +134,10 @@ class RayPipeline:
         self.pg = placement_group(bundles, strategy=strategy)
         ray.get(self.pg.ready(), timeout=self.startup_timeout)
         env = {"OMP_NUM_THREADS": str(self.threads)}
+        if self.engine.backend == "hpu":  # the bridge's settings reach workers on other nodes
+            from dist_glm5.backends.hpu.env import forwarded
+
+            env.update(forwarded())
         if self.host.startswith("127."):
             env["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo's pairs on loopback as well
         actor = _actor_class()

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dist_glm5.backends import get_backend
 from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.checkpoint.shards import ShardedCheckpoint, is_sharded
 from dist_glm5.model.config import ModelConfig
@@ -84,11 +85,15 @@ def _shard_selection(model_dir: str, spec: StageSpec) -> tuple[int | None, int |
 
 
 class StageWorker:
-    def __init__(self, spec: StageSpec, comm=None):
+    def __init__(self, spec: StageSpec, comm=None, backend=None):
+        """backend: the engine's (dist_glm5.backends), loaded here when not given. On the CPU the
+        model runs as loaded; another backend's `stage` runtime places it on its device, pads
+        each step to its buckets and warms up before the first plan."""
         eng = spec.engine
         if eng.threads:
             torch.set_num_threads(eng.threads)
         self.spec, self.comm = spec, comm
+        backend = backend or get_backend(eng.backend)
         cfg = ModelConfig.from_hf(eng.model_dir)
         self.cfg = cfg
         layers = range(*spec.layers) if spec.layers else range(cfg.num_hidden_layers)
@@ -110,6 +115,7 @@ class StageWorker:
             head=self.last,
             mtp=self.last and eng.mtp,
             experts=experts,
+            ops=backend.ops(),
         )
         if spec.ranks > 1:
             shard_tensor_parallel(
@@ -119,14 +125,27 @@ class StageWorker:
         PROF.enabled = eng.profile
         if eng.profile:  # hooks from outside the model, after tensor parallelism set its reduces
             profiler.install(self.model)
-        self.cache = PagedKVCache(
-            cfg,
-            self.model.cache_layers,
-            eng.cache.blocks,
-            eng.cache.block_size,
-            dtype=self.model.dtype,
-            allocate=False,  # tables come with the plans
-        )
+        self.rt = None  # the backend's stage runtime; None on the CPU
+        if backend.stage is not None:
+            self.rt = backend.stage(
+                self.model,
+                blocks=eng.cache.blocks,
+                block_size=eng.cache.block_size,
+                max_model_len=eng.scheduler.max_model_len,
+                gather_cap_bytes=eng.dsa.gather_cap_bytes,
+                step_tokens=eng.scheduler.step_tokens,
+                name=f"s{spec.stage}-r{spec.rank}",
+            )
+            self.cache = self.rt.new_cache(cfg, self.model.cache_layers, self.model.dtype)
+        else:
+            self.cache = PagedKVCache(
+                cfg,
+                self.model.cache_layers,
+                eng.cache.blocks,
+                eng.cache.block_size,
+                dtype=self.model.dtype,
+                allocate=False,  # tables come with the plans
+            )
         self.seqs: dict[int, SeqState] = {}
         self.eos = tuple(cfg.eos_token_id)
         self._tokenizer = None  # loaded with the first grammar
@@ -138,6 +157,8 @@ class StageWorker:
             layers.stop - 1,
             time.perf_counter() - t0,
         )
+        if self.rt is not None:
+            self.rt.warmup(self.cache)
 
     # ---- one step ------------------------------------------------------------------------
     @torch.no_grad()
@@ -165,16 +186,21 @@ class StageWorker:
                 if self.last and self.spec.rank == 0
                 else None
             )
-        batch = self.cache.prepare([Chunk(w.seq_id, w.start, len(w.tokens)) for w in plan.work])
+        chunks = [Chunk(w.seq_id, w.start, len(w.tokens)) for w in plan.work]
+        if self.rt is not None:
+            chunks = self.rt.pad(chunks)  # up to a bucket; the pad rows are never sampled
+        batch = self.cache.prepare(chunks)
         T = batch.num_tokens
         if self.first:
             x = torch.tensor([t for w in plan.work for t in w.tokens], dtype=torch.int64)
+            if self.rt is not None:
+                x = self.rt.inputs(x, T)
         else:
             tw = time.perf_counter()
             with PROF.span("recv_wait"):
                 x = self.comm.recv_hidden((T, self.cfg.hidden_size), self.model.dtype, plan.step)
             t0 += time.perf_counter() - tw  # waiting for the previous stage is not busy time
-        h, _ = self.model(x, batch, self.cache)
+        h, _ = (self.rt.forward if self.rt is not None else self.model)(x, batch, self.cache)
         if not self.last:
             with PROF.span("transfer"):
                 self.comm.send_hidden(h, plan.step)
@@ -224,11 +250,12 @@ class StageWorker:
                 mtp_seqs.append((out, st, w.sample))
         if mtp_chunks:
             mb = self.cache.prepare(mtp_chunks)
-            hm = m.mtp_forward(torch.tensor(mtp_next), hn[torch.cat(mtp_rows)], mb, self.cache)
+            nxt = torch.tensor(mtp_next, device=hn.device)
+            hm = m.mtp_forward(nxt, hn[torch.cat(mtp_rows)], mb, self.cache)
             for (out, st, sampled), (_, e) in zip(mtp_seqs, mb.spans):
                 if sampled:
                     out.draft, st.draft_q = self.propose(
-                        out.seq_id, st, m.mtp_logits(hm[e - 1 : e])[0]
+                        out.seq_id, st, m.mtp_logits(hm[e - 1 : e])[0].cpu()
                     )
         return outputs
 
@@ -240,7 +267,7 @@ class StageWorker:
         p = st.params
         out = SeqOutput(w.seq_id, [])
         if w.prompt_logprobs_from is not None and p.prompt_logprobs is not None:
-            lg = m.logits(hn[a:b])
+            lg = m.logits(hn[a:b]).cpu()  # sampling runs on the host (no copy on the CPU)
             nxt = w.tokens[1:] + ([w.lookahead] if w.lookahead is not None else [])
             for i, tok in enumerate(nxt):
                 if w.start + i + 1 >= w.prompt_logprobs_from:
@@ -251,12 +278,12 @@ class StageWorker:
         if w.sample:
             self._grammar(st)
             if w.draft is None:
-                lg = m.logits(hn[b - 1 : b])[0]
+                lg = m.logits(hn[b - 1 : b])[0].cpu()
                 tok = sample_one(self._processed(st, lg, st.history), p, st.gen)
                 self._advance(st, tok)
                 emitted, rows = [tok], [lg]
             else:
-                lg = m.logits(hn[b - 2 : b])
+                lg = m.logits(hn[b - 2 : b]).cpu()
                 # under a grammar the target is masked: a forbidden draft has p = 0, never accepted
                 pr = target_probs(self._processed(st, lg[0], st.history), p)
                 ok, repl = verify_draft(pr, st.draft_q, w.draft, p.greedy, st.gen)
@@ -340,9 +367,10 @@ def serve(spec: StageSpec, coord_addr: str, dist_init: str | None) -> None:
     sock.connect(coord_addr)
     comm, step = None, None
     try:
+        backend = get_backend(spec.engine.backend)
         if spec.stages * spec.ranks > 1:
-            comm = Comm(spec.stage, spec.rank, spec.stages, spec.ranks, dist_init)
-        worker = StageWorker(spec, comm)
+            comm = (backend.comm or Comm)(spec.stage, spec.rank, spec.stages, spec.ranks, dist_init)
+        worker = StageWorker(spec, comm, backend)
         sock.send(pack(Hello(spec.stage, spec.rank, os.getpid())))
         while True:
             msg = unpack(sock.recv())

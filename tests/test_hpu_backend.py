@@ -147,29 +147,48 @@ def test_warmup_runs_each_bucket_once_under_compile_only(fake_hf, tmp_path, capl
     warmup.check_timer(times, 0)  # timer disabled
 
 
+@pytest.mark.parametrize("command", ["single-node", "two-node"])
 def test_launch_hpu_without_the_stack_and_with_the_fake(
-    default_model_dir, capsys, caplog, monkeypatch
+    default_model_dir, capsys, caplog, monkeypatch, command
 ):
+    """Without the Gaudi stack both commands stop before any worker starts, exit non-zero and name
+    what is missing and the fix; with the fake they go on to serve the pipeline on hpu (the server
+    itself is replaced here: the engine on hpu is test_hpu_pipeline's)."""
+    from dist_glm5.launch import serve as serve_cmd
     from dist_glm5.launch.cli import main
+    from dist_glm5.launch.engine_args import engine_config
 
     for k in ("PT_HPU_LAZY_MODE", "PT_HPU_ENABLE_LAZY_COLLECTIVES"):
         monkeypatch.delenv(k, raising=False)
-    argv = ["launch", "single-node", "--model", str(default_model_dir), "--backend", "hpu",
+    argv = ["launch", command, "--model", str(default_model_dir), "--backend", "hpu",
             "--ctx", "4k"]  # fmt: skip
     hpu_fake.uninstall()
+    served = []
+    monkeypatch.setattr(serve_cmd, "serve", lambda args, d, cfg: served.append(args) or 0)
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "habana_frameworks" in err and "--backend cpu" in err
+    assert "habana_frameworks" in err and "Gaudi" in err and "--backend cpu" in err
+    assert served == []  # stopped before building anything
     monkeypatch.delenv("PT_HPU_LAZY_MODE")
     monkeypatch.delenv("PT_HPU_ENABLE_LAZY_COLLECTIVES")
     hpu_fake.install()
     try:
-        assert main(argv) == 2
+        assert main(argv) == 0
     finally:
         hpu_fake.uninstall()
-    err = capsys.readouterr().err
-    assert "does not build its workers" in err
+    (args,) = served
+    eng = engine_config(args, default_model_dir)
+    assert eng.backend == "hpu" and eng.layout.stages == (2 if command == "two-node" else 1)
+    assert eng.dsa.prefill_attention == "windows"  # Gaudi's sparse prefill form
     assert "hpu: PT_HPU_LAZY_MODE=1 (default" in caplog.text  # the defaults it set, said
+
+
+def test_engine_config_names_a_known_backend():
+    from dist_glm5.stages.engine_config import EngineConfig
+
+    assert EngineConfig("m").backend == "cpu"
+    with pytest.raises(ValueError, match="backend 'tpu'.*--backend"):
+        EngineConfig("m", backend="tpu")
 
 
 def test_first_run_probes_run_on_the_fake(fake_hf):

@@ -4,7 +4,8 @@
 clear RuntimeError of `_hf.MISSING` on machines without it) and returns the Backend whose ops are
 the Gaudi implementations: routed experts through the native MXFP4 MoE op, int32-safe bisection
 top-k and index scores, FusedSDPA / absorbed / gathered attention, fused RMSNorm and RoPE, each with
-its CPU reference's signature.
+its CPU reference's signature. Its `comm` is HcclComm on the device, its `stage` the per-stage
+runtime of stage.py (device placement, step padding to buckets, warm-up).
 """
 
 from __future__ import annotations
@@ -42,5 +43,25 @@ def hpu_ops():
 
 def load() -> Backend:
     env.apply_defaults()
+    device = env.device()
     _hf.core()  # registers the 'hpu' device and the native ops with torch
-    return Backend(name="hpu", device="hpu", dist_backend="hccl", ops=hpu_ops)
+    return Backend(
+        name="hpu",
+        device=device,
+        dist_backend="hccl",
+        ops=hpu_ops,
+        comm=functools.partial(_comm, device=device),
+        stage=functools.partial(_stage, device=device),
+    )
+
+
+def _comm(stage: int, rank: int, stages: int, ranks: int, init_method: str, device: str):
+    from .comm import HcclComm
+
+    return HcclComm(stage, rank, stages, ranks, init_method, device=device)
+
+
+def _stage(model, device: str, **kw):
+    from .stage import HpuStage
+
+    return HpuStage(model, device, **kw)

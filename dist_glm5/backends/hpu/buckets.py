@@ -125,6 +125,11 @@ class BucketConfig:
     def decode_buckets(self) -> list[tuple[int, int]]:
         return [(b, c) for b in self.table("decode_bs") for c in self.table("decode_ctx")]
 
+    def step_tokens(self) -> tuple[int, ...]:
+        """Token counts a whole step is padded to (stage.HpuStage): decode batches and prefill
+        chunks, one table (the token dimension every linear layer and the MoE op see)."""
+        return tuple(sorted({*self.table("decode_bs"), *self.table("prompt_query")}))
+
 
 @dataclass(frozen=True)
 class DecodePad:

@@ -5,6 +5,10 @@ reads them once) and only where the user has not set them; each one applied is l
   HPU graphs need it. Set 0 to run the compiled (torch.compile backend="hpu_backend") path.
 - PT_HPU_ENABLE_LAZY_COLLECTIVES=true in lazy mode: multi-card HPU graphs need it (default
   false in the bridge).
+
+Read by the backend itself (not a bridge flag): DIST_GLM5_HPU_DEVICE, the torch device the stage
+places weights, caches and buffers on: "hpu" (default). The tests' recording fake of the stack has
+no device and sets "cpu". `forwarded()` is what a launcher passes on to workers on other nodes.
 """
 
 from __future__ import annotations
@@ -34,3 +38,25 @@ def apply_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str,
             applied[k] = v
             log.info("hpu backend: %s=%s (default; set it to override)", k, v)
     return applied
+
+
+DEVICE_ENV = "DIST_GLM5_HPU_DEVICE"
+DEVICES = ("hpu", "cpu")
+_FORWARD = ("PT_HPU_", "PT_ENABLE_", "HABANA_", "HCCL_", "DIST_GLM5_")
+
+
+def device(environ: MutableMapping[str, str] | None = None) -> str:
+    environ = os.environ if environ is None else environ
+    d = environ.get(DEVICE_ENV, "hpu")
+    if d not in DEVICES:
+        raise ValueError(
+            f"{DEVICE_ENV}={d!r}: use one of {', '.join(DEVICES)} (unset it on a Gaudi node)"
+        )
+    return d
+
+
+def forwarded(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """The bridge's and this backend's variables set here (by the user, or by apply_defaults):
+    Ray starts workers on other nodes without this process's environment."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if k.startswith(_FORWARD)}

@@ -1,0 +1,147 @@
+"""One pipeline stage on Gaudi: what a stage worker does differently from the CPU reference.
+
+`HpuStage(model, ...)` (the backend's `stage` factory; stages/worker.py asks for it):
+- places the weights on the device, builds the paged cache there, and swaps the host RoPE table
+  for the device table (norm_rope.DeviceRopeTable: no growth and no `.max()` inside a step);
+- lazy mode: a mark_step after every decoder layer (runtime.add_layer_mark_steps). The model is
+  not captured as HPU graphs: a step's Python control flow (per-sequence groups, capped chunks)
+  still depends on the plan, which a replayed graph would ignore;
+- pads each step's token count to a bucket (buckets.BucketConfig.step_tokens): the padding is one
+  chunk of a scratch sequence at positions 0..P-1 in blocks of its own, past the scheduler's
+  blocks. It writes its keys before it attends to them (never a read of an unwritten slot),
+  attends causally to itself (never a fully masked row), and every stage pads the same plan the
+  same way, so the hidden states sent between stages have the padded shape. Its rows are never
+  sampled (the worker samples the plan's chunks only);
+- warm-up (warmup.warmup): one step of every token bucket, run once when the stage starts;
+- optionally runs each step under the dispatch guard (`DIST_GLM5_HPU_GUARD=<dir>`: one JSON line
+  per step to <dir>/guard-s<stage>-r<rank>.jsonl). A diagnostic: it reads values, so it syncs.
+
+Not bucketed yet: the context dimension of attention (a step's key count still varies, so the
+card compiles a graph per distinct context length), and the MTP layer's rows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from dist_glm5.model.kv_cache import Chunk, PagedKVCache
+
+from . import runtime, warmup
+from .buckets import BucketConfig, find_bucket
+from .guard import StepGuard
+from .norm_rope import DeviceRopeTable
+
+log = logging.getLogger(__name__)
+GUARD_ENV = "DIST_GLM5_HPU_GUARD"
+PAD_SEQ = -1  # the scratch sequence's id: the scheduler's ids are >= 0
+
+
+class HpuStage:
+    def __init__(
+        self,
+        model,
+        device: str,
+        *,
+        blocks: int,
+        block_size: int,
+        max_model_len: int,
+        gather_cap_bytes: int,
+        step_tokens: int | None = None,
+        name: str = "stage",
+        buckets: BucketConfig | None = None,
+        run_warmup: bool = True,
+    ):
+        self.model, self.device, self.name = model, torch.device(device), name
+        self.first = model.layer_range.start == 0  # token ids in, else hidden states
+        self.buckets = buckets or BucketConfig.from_env(
+            block_size=block_size, max_model_len=max_model_len
+        )
+        self.tokens = self.buckets.step_tokens()
+        if step_tokens is not None and step_tokens > self.tokens[-1]:
+            raise ValueError(
+                f"the scheduler plans steps of up to {step_tokens} tokens but the largest token "
+                f"bucket is {self.tokens[-1]}: raise DIST_GLM5_PROMPT_QUERY_BUCKET_MAX or lower "
+                "the step token budget"
+            )
+        self.blocks, self.block_size = blocks, block_size
+        self.scratch = -(-self.tokens[-1] // block_size)  # blocks of the largest pad / warm-up
+        self.gather_cap = gather_cap_bytes
+        model.to(self.device)
+        # positions a sequence can reach (the context, within what the cache holds) and those of
+        # the largest scratch step
+        positions = max(min(max_model_len, blocks * block_size), self.tokens[-1])
+        model.rope = DeviceRopeTable.from_host(model.rope, positions, self.device)
+        runtime.add_layer_mark_steps([model.model.layers[str(i)] for i in model.layer_range])
+        guard = os.environ.get(GUARD_ENV)
+        self.guard_file = Path(guard) / f"guard-{name}.jsonl" if guard else None
+        self.run_warmup = run_warmup
+        self.steps = 0
+
+    def new_cache(self, cfg, layers: list[int], dtype: torch.dtype) -> PagedKVCache:
+        """The stage's paged cache on the device: the scheduler's blocks, then the scratch blocks
+        the padding and the warm-up write to."""
+        cache = PagedKVCache(cfg, layers, self.blocks + self.scratch, self.block_size,
+                             dtype=dtype, allocate=False, device=self.device)  # fmt: skip
+        cache.assign(PAD_SEQ, list(range(self.blocks, self.blocks + self.scratch)))
+        return cache
+
+    # ---- one step --------------------------------------------------------------------------
+    def pad(self, chunks: list[Chunk]) -> list[Chunk]:
+        """The plan's chunks and, unless their token count is a bucket, one scratch chunk filling
+        it up to the next bucket."""
+        n = sum(c.length for c in chunks)
+        p = find_bucket(self.tokens, n, "tokens in one step (raise the token buckets)") - n
+        return chunks + [Chunk(PAD_SEQ, 0, p)] if p else chunks
+
+    def inputs(self, ids: torch.Tensor, tokens: int) -> torch.Tensor:
+        """First stage: the plan's token ids, padded with token 0 to the step's bucket, on the
+        device."""
+        pad = tokens - ids.shape[0]
+        if pad:
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+        return ids.to(self.device)
+
+    def forward(self, x: torch.Tensor, batch, cache: PagedKVCache):
+        self.steps += 1
+        if self.guard_file is None:
+            return self.model(x, batch, cache)
+        guard = StepGuard(self.gather_cap, [*cache.kv.values(), *cache.index_k.values()])
+        with guard:
+            out = self.model(x, batch, cache)
+        self.guard_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.guard_file, "a") as f:
+            rec = {"step": self.steps, "tokens": batch.num_tokens, "ops": guard.ops,
+                   "violations": [asdict(v) for v in guard.violations]}  # fmt: skip
+            f.write(json.dumps(rec) + "\n")
+        if guard.violations:
+            log.warning("%s: step %d: %d guard finding(s), first %s", self.name, self.steps,
+                        len(guard.violations), guard.violations[0])  # fmt: skip
+        return out
+
+    # ---- warm-up ---------------------------------------------------------------------------
+    def warmup(self, cache: PagedKVCache) -> list[warmup.BucketTime]:
+        """One step of every token bucket through this stage's layers (the scratch sequence,
+        zeros in: results are discarded), each timed against the driver's lock-up timer."""
+        if not self.run_warmup:
+            return []
+        H = self.model.cfg.hidden_size
+
+        def run(tokens: int) -> None:
+            batch = cache.prepare([Chunk(PAD_SEQ, 0, tokens)])
+            if self.first:
+                x = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+            else:
+                x = torch.zeros(tokens, H, dtype=self.model.dtype, device=self.device)
+            with torch.no_grad():
+                self.model(x, batch, cache)
+
+        times = warmup.warmup(self.tokens, run)
+        log.info("%s: warm-up of %d token buckets (%s) in %.1f s", self.name, len(times),
+                 ",".join(map(str, self.tokens)), sum(t.seconds for t in times))  # fmt: skip
+        return times

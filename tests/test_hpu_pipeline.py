@@ -1,0 +1,180 @@
+"""The whole engine on `--backend hpu`, on the recording fake: the workers build their stage on the
+backend (its ops, its device, HCCL between stages, steps padded to buckets, warm-up at start,
+the device RoPE table), serve a short greedy generation of the MXFP4 test model and give the CPU
+backend's tokens. The dispatch guard runs in every worker (DIST_GLM5_HPU_GUARD) and finds nothing
+outside test_hpu_step.PENDING.
+
+One stage in this process, and two stages as Ray actors exchanging hidden states over the fake
+"hccl" (registered on gloo). The fake keeps tensors on the CPU (DIST_GLM5_HPU_DEVICE=cpu): device
+placement is exercised as calls, not as memory on a card.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from pathlib import Path
+
+import hpu_fake
+import pytest
+from runtime_util import prompts
+from test_hpu_step import PENDING
+
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.model.dsa_config import DSAConfig
+from dist_glm5.sampling.params import SamplingParams
+from dist_glm5.stages.coordinator import Coordinator
+from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout, StageSpec
+from dist_glm5.stages.scheduler import SchedulerConfig
+
+fake_hf = hpu_fake.fake_hf
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+PROMPTS = prompts([5, 70, 40], seed=3)  # 70 > index_topk (64): the selection is exercised
+# small tables (one step at most 48 + 3 tokens): 1, 2, 4 (decodes), 16, 32, 64, 96, 128
+BUCKET_ENV = {
+    "DIST_GLM5_DECODE_BS_BUCKET_MIN": "1",
+    "DIST_GLM5_DECODE_BS_BUCKET_STEP": "4",
+    "DIST_GLM5_DECODE_BS_BUCKET_MAX": "4",
+    "DIST_GLM5_PROMPT_QUERY_BUCKET_MIN": "16",
+    "DIST_GLM5_PROMPT_QUERY_BUCKET_STEP": "32",
+    "DIST_GLM5_PROMPT_QUERY_BUCKET_MAX": "128",
+}
+TOKENS = (1, 2, 4, 16, 32, 64, 96, 128)
+DSA = DSAConfig(mode="sparse", prefill_attention="windows", gather_cap_bytes=64 * 1024)
+
+
+@pytest.fixture(scope="module")
+def mx_dir(default_model_dir, tmp_path_factory):
+    from dist_glm5.convert.glm53 import convert_glm53
+
+    d = tmp_path_factory.mktemp("mx_pipe")
+    convert_glm53(default_model_dir, d)
+    return d
+
+
+def engine(model_dir, backend: str, stages: int = 1) -> EngineConfig:
+    return EngineConfig(
+        str(model_dir),
+        Layout(stages),
+        CacheConfig(48, 16),
+        SchedulerConfig(chunk_tokens=48, step_tokens=128, max_model_len=512),
+        DSA,
+        backend=backend,
+    )
+
+
+def coordinator(eng: EngineConfig, pipe) -> Coordinator:
+    cfg = ModelConfig.from_hf(eng.model_dir)
+    return Coordinator(pipe, eng.scheduler, cfg.eos_token_id, cfg.vocab_size, step_timeout=300)
+
+
+def generate_in_process(eng: EngineConfig) -> list[list[int]]:
+    from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
+
+    c = coordinator(eng, InProcessPipeline(StageSpec(eng)))
+    try:
+        return [s.output for s in c.run(PROMPTS, GREEDY, arrivals=[0, 1, 2])]
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def want(mx_dir):
+    """The CPU backend's tokens (its packed MXFP4 kernel, torch.topk selection)."""
+    return generate_in_process(engine(mx_dir, "cpu"))
+
+
+def guard_steps(d: Path) -> dict[str, list[dict]]:
+    return {p.stem: [json.loads(x) for x in p.read_text().splitlines()]
+            for p in sorted(d.glob("guard-*.jsonl"))}  # fmt: skip
+
+
+def check_guard(steps: list[dict]) -> None:
+    """Every step padded to a bucket; every finding of the guard in a PENDING file."""
+    assert steps and all(s["tokens"] in TOKENS for s in steps), [s["tokens"] for s in steps]
+    assert all(s["ops"] > 0 for s in steps)  # the guard saw the step's ops
+    found = collections.Counter(
+        (v["kind"], v["where"].split(":")[0]) for s in steps for v in s["violations"]
+    )
+    assert {w for _, w in found} <= set(PENDING), found
+
+
+def test_one_stage_in_process(fake_hf, mx_dir, want, monkeypatch, tmp_path):
+    for k, v in {**BUCKET_ENV, "DIST_GLM5_HPU_DEVICE": "cpu",
+                 "DIST_GLM5_HPU_GUARD": str(tmp_path)}.items():  # fmt: skip
+        monkeypatch.setenv(k, v)
+    from dist_glm5.backends.hpu.norm_rope import DeviceRopeTable
+    from dist_glm5.backends.hpu.stage import HpuStage
+    from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
+
+    eng = engine(mx_dir, "hpu")
+    pipe = InProcessPipeline(StageSpec(eng))
+    w = pipe.worker
+    assert isinstance(w.rt, HpuStage) and w.model.ops.name == "hpu"
+    assert isinstance(w.model.rope, DeviceRopeTable)
+    assert w.rt.tokens == TOKENS
+    # warm-up: each token bucket once, compile-only, then mark_step + synchronize
+    warm = [a for a, _ in fake_hf.calls("bridge_config.env_setting.enter")]
+    assert warm == [("PT_COMPILE_ONLY_MODE", True)] * len(TOKENS)
+    assert len(fake_hf.calls("hpu.synchronize")) == len(TOKENS)
+    fake_hf.reset()
+    c = coordinator(eng, pipe)
+    try:
+        got = [s.output for s in c.run(PROMPTS, GREEDY, arrivals=[0, 1, 2])]
+    finally:
+        c.close()
+    assert got == want
+    # every native MoE call is sized by the token table; one mark_step per layer per step
+    moe = {a[0].shape[0] for a, _ in fake_hf.calls("moe.mxfp4_fused_weights")}
+    assert moe and moe <= set(TOKENS), moe
+    (steps,) = guard_steps(tmp_path).values()
+    check_guard(steps)
+    marks = len(fake_hf.calls("core.mark_step"))
+    assert marks == len(steps) * len(w.model.layer_range)
+
+
+def test_two_stages_over_ray_and_fake_hccl(mx_dir, want, monkeypatch, tmp_path):
+    """Ray actors inherit this environment (a fresh local cluster is started here): the fake on
+    their path, its device, the guard's and the fake's log directories."""
+    ray = pytest.importorskip("ray")
+    from dist_glm5.stages.ray_pipeline import RayPipeline
+
+    if ray.is_initialized():
+        ray.shutdown()
+    (tmp_path / "fake").mkdir()
+    path = os.pathsep.join(p for p in (hpu_fake.FAKE, os.environ.get("PYTHONPATH")) if p)
+    env = {**BUCKET_ENV, "PYTHONPATH": path, "DIST_GLM5_HPU_DEVICE": "cpu",
+           "DIST_GLM5_HPU_GUARD": str(tmp_path), "FAKE_HABANA_LOG": str(tmp_path / "fake"),
+           "PT_HPU_LAZY_MODE": "1"}  # fmt: skip
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    eng = engine(mx_dir, "hpu", stages=2)
+    try:
+        c = coordinator(eng, RayPipeline(eng, startup_timeout=600))
+        try:
+            got = [s.output for s in c.run(PROMPTS, GREEDY, arrivals=[0, 1, 2])]
+        finally:
+            c.close()
+    finally:
+        ray.shutdown()
+    assert got == want
+    guards = guard_steps(tmp_path)
+    assert set(guards) == {"guard-s0-r0", "guard-s1-r0"}
+    for steps in guards.values():
+        check_guard(steps)
+    # the same padded step on both sides of the link
+    assert [s["tokens"] for s in guards["guard-s0-r0"]] == [
+        s["tokens"] for s in guards["guard-s1-r0"]
+    ]
+    # what the fake saw inside the two worker processes
+    logs = [[json.loads(x) for x in p.read_text().splitlines()]
+            for p in (tmp_path / "fake").glob("*.jsonl")]  # fmt: skip
+    workers = [g for g in logs if any(e["name"] == "hccl.process_group" for e in g)]
+    assert len(workers) == 2  # both stages opened "hccl" process groups
+    for g in workers:
+        names = [e["name"] for e in g]
+        assert names.count("bridge_config.env_setting.enter") == len(TOKENS)  # warm-up
+        assert names.index("hccl.process_group") < names.index("bridge_config.env_setting.enter")
+        moe = {e["shapes"][0][0] for e in g if e["name"] == "moe.mxfp4_fused_weights"}
+        assert moe and moe <= set(TOKENS)
