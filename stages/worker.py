@@ -187,9 +187,10 @@ class StageWorker:
                 else None
             )
         chunks = [Chunk(w.seq_id, w.start, len(w.tokens)) for w in plan.work]
-        if self.rt is not None:
-            chunks = self.rt.pad(chunks)  # up to a bucket; the pad rows are never sampled
-        batch = self.cache.prepare(chunks)
+        if self.rt is None:
+            batch = self.cache.prepare(chunks)
+        else:  # padded to a bucket (the pad rows are never sampled), on the device
+            batch = self.rt.prepare(self.cache, chunks)
         T = batch.num_tokens
         if self.first:
             x = torch.tensor([t for w in plan.work for t in w.tokens], dtype=torch.int64)
@@ -250,8 +251,10 @@ class StageWorker:
                 mtp_seqs.append((out, st, w.sample))
         if mtp_chunks:
             mb = self.cache.prepare(mtp_chunks)
+            if self.rt is not None:
+                mb = self.rt.on_device(mb)
             nxt = torch.tensor(mtp_next, device=hn.device)
-            hm = m.mtp_forward(nxt, hn[torch.cat(mtp_rows)], mb, self.cache)
+            hm = m.mtp_forward(nxt, hn[torch.cat(mtp_rows).to(hn.device)], mb, self.cache)
             for (out, st, sampled), (_, e) in zip(mtp_seqs, mb.spans):
                 if sampled:
                     out.draft, st.draft_q = self.propose(

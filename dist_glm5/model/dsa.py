@@ -98,7 +98,7 @@ def index_scores_capped(
     """q [n, Hi, D], w [n, Hi] fp32, keys of L positions -> scores [n, L] fp32, keys gathered in
     capped chunks, each scored by `scores_fn` (the backend's index_scores)."""
     n, L = q.shape[0], len(keys)
-    out = torch.empty(n, L, dtype=torch.float32)
+    out = torch.empty(n, L, dtype=torch.float32, device=q.device)
     per = index_key_rows(n, q.shape[1], idx_store.shape[1] * idx_store.element_size(), cap)
     # Key chunks whose [n, Hi, chunk] fp32 scores stay in the core's cache: the relu and the
     # head-weighted sum then run from cache, not DRAM (16K keys, 256 rows: 5x faster than one
@@ -169,7 +169,7 @@ def select(
         per = -(-n // ranks)
         rows = range(min(n, rank * per), min(n, (rank + 1) * per))
     ops = ops or reference_ops()
-    keep = torch.zeros(len(rows), L, dtype=torch.bool)
+    keep = torch.zeros(len(rows), L, dtype=torch.bool, device=q.device)
     step = score_rows(cfg, L)
     for a in range(rows.start, rows.stop, step):
         b = min(rows.stop, a + step)
@@ -198,9 +198,9 @@ def attend_absorbed_chunked(
     sequence (KeySlots, gathered by blocks) or K candidate slots [K]; mask [n, K] bool (at least
     one True per row) -> latent output [n, h, c] fp32."""
     n, h, c = q_lat.shape
-    m = torch.full((n, h), float("-inf"))
-    den = torch.zeros(n, h)
-    acc = torch.zeros(n, h, c)
+    m = torch.full((n, h), float("-inf"), device=q_lat.device)
+    den = torch.zeros(n, h, device=q_lat.device)
+    acc = torch.zeros(n, h, c, device=q_lat.device)
     if isinstance(keys, KeySlots):  # every key of the sequence: read by blocks
         row_bytes = attn_key_bytes(n, h, kv_store.shape[1], kv_store.element_size())
         capped_chunks(1, row_bytes, cap)  # raises when one key is over the cap
@@ -251,7 +251,7 @@ def attend_gathered(
     sel_slots [n, k] (padding repeats a valid slot), sel_valid [n, k] -> latent output [n, h, c]
     fp32."""
     n, k = sel_slots.shape
-    out = torch.empty(n, q_lat.shape[1], q_lat.shape[2])
+    out = torch.empty(n, q_lat.shape[1], q_lat.shape[2], device=q_lat.device)
     for a, b in capped_chunks(
         n, decode_row_bytes(k, q_lat.shape[1], kv_store.shape[1], kv_store.element_size()), cap
     ):
@@ -306,7 +306,7 @@ def sparse_prefill(
         return ops.attend_gathered(
             q_lat, q_rot, kv_store, slots, valid, kv_lora, scale, cfg.gather_cap_bytes
         )
-    out = torch.empty(n, q_lat.shape[1], q_lat.shape[2])
+    out = torch.empty(n, q_lat.shape[1], q_lat.shape[2], device=q_lat.device)
     for a in range(0, n, cfg.window):
         b = min(n, a + cfg.window)
         win = keep[a:b]

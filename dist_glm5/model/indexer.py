@@ -72,7 +72,7 @@ def select_topk_reference(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) 
     scores: [..., L] fp32 over key positions 0..L-1; q_pos: [...] absolute query positions.
     """
     L = scores.shape[-1]
-    causal = torch.arange(L) <= q_pos[..., None]  # [..., L]
+    causal = torch.arange(L, device=scores.device) <= q_pos[..., None]  # [..., L]
     if topk >= L:
         return causal
     s = scores.masked_fill(~causal, float("-inf"))

@@ -46,7 +46,7 @@ class KeySlots:
         return self.table[pos // bs] * bs + pos % bs
 
     def range(self, a: int, b: int) -> torch.Tensor:
-        return self.at(torch.arange(a, b, dtype=torch.int64))
+        return self.at(torch.arange(a, b, dtype=torch.int64, device=self.table.device))
 
     @property
     def first(self) -> int:
@@ -119,7 +119,7 @@ class AttnGroup:
         every key anyway). Built on first use, once per forward."""
         if self._slots is None:
             L = max(len(k) for k in self.keys)
-            s = torch.empty(len(self.keys), L, dtype=torch.int64)
+            s = torch.empty(len(self.keys), L, dtype=torch.int64, device=self.keys[0].table.device)
             for r, k in enumerate(self.keys):
                 s[r] = k.first
                 s[r, : len(k)] = k.range(0, len(k))

@@ -153,7 +153,7 @@ class MLA(nn.Module):
                 prev_keep,
                 h,
             )
-        out = torch.empty(T, h, self.v_dim, dtype=x.dtype)
+        out = torch.empty(T, h, self.v_dim, dtype=x.dtype, device=x.device)
         keeps = []
         for gi, g in enumerate(batch.groups):
             rows = kv_store[g.slots].to(x.dtype)  # [B, L, c + r]
@@ -206,7 +206,7 @@ class MLA(nn.Module):
         c = self.kv_lora
         w = self.kv_b_proj.weight.view(h, -1, c)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        out = torch.empty(T, h, self.v_dim, dtype=x.dtype)
+        out = torch.empty(T, h, self.v_dim, dtype=x.dtype, device=x.device)
         keeps = []
         for gi, g in enumerate(batch.groups):
             small = g.tok.shape[1] <= SMALL_CHUNK

@@ -34,7 +34,8 @@ def route(
             choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)
         )  # [T, G]
         keep_groups = group_scores.topk(topk_group, dim=-1, sorted=False).indices
-        gmask = torch.zeros(T, n_group, dtype=torch.bool).scatter_(1, keep_groups, True)
+        gmask = torch.zeros(T, n_group, dtype=torch.bool, device=s.device)
+        gmask.scatter_(1, keep_groups, True)
         choice = choice.masked_fill(~gmask.repeat_interleave(E // n_group, dim=1), float("-inf"))
     ids = choice.topk(top_k, dim=-1, sorted=False).indices  # [T, k]
     w = s.gather(1, ids)

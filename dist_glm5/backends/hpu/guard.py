@@ -9,7 +9,10 @@ device) and read `violations`:
   device, so it would wrap silently);
 - "gather": one gather (index_select / index / gather / take) from a cache store producing more
   than `gather_cap_bytes` (a 9.7 GB gather hung all eight cards, design.md section 3); `stores`
-  names the cache tensors (all gathers are checked when it is not given).
+  names the cache tensors (all gathers are checked when it is not given);
+- "host": a tensor made inside the step by a torch factory (empty, zeros, full, arange, tensor,
+  ...) without `device=`: it lands on the host, and meets the device's tensors in the next op
+  (seen through a TorchFunctionMode, which sees the arguments as written).
 Each violation names the op and the innermost dist_glm5 source line that caused it. An opaque op
 (a native kernel, or the fake's CPU implementation of one) counts as one op: the guard does not
 look inside it. A CPU-only tool: it reads values, so it syncs.
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -50,7 +54,7 @@ _PKG = str(Path(__file__).resolve().parents[2])  # .../dist_glm5
 
 @dataclass(frozen=True)
 class Violation:
-    kind: str  # "data-dependent" | "int64" | "gather"
+    kind: str  # "data-dependent" | "int64" | "gather" | "host"
     op: str
     where: str  # "dist_glm5/model/mla.py:123 in forward"
     detail: str = ""
@@ -64,6 +68,23 @@ def _site() -> str:
     return "outside dist_glm5"
 
 
+_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.tensor,
+              torch.as_tensor, torch.eye, torch.linspace, torch.rand, torch.randn,
+              torch.randint}  # fmt: skip
+
+
+class _HostFactories(TorchFunctionMode):
+    def __init__(self, guard: "StepGuard"):
+        super().__init__()
+        self.guard = guard
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FACTORIES and kwargs.get("device") is None:
+            self.guard._flag("host", func.__name__, "made without device=")
+        return func(*args, **kwargs)
+
+
 class StepGuard(TorchDispatchMode):
     def __init__(self, gather_cap_bytes: int = 512 * 1024 * 1024, stores=None):
         super().__init__()
@@ -71,6 +92,17 @@ class StepGuard(TorchDispatchMode):
         self.stores = None if stores is None else {_ptr(t) for t in stores}
         self.violations: list[Violation] = []
         self.ops = 0
+
+    def __enter__(self):
+        self._host = _HostFactories(self)
+        self._host.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._host.__exit__(*exc)
 
     def _flag(self, kind: str, op: str, detail: str = "") -> None:
         self.violations.append(Violation(kind, op, _site(), detail))

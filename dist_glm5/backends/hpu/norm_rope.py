@@ -53,5 +53,5 @@ class DeviceRopeTable:
 
     def lookup(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         # positions [T] (padded rows carry any valid position) -> cos, sin [T, dim/2]
-        idx = positions.to(torch.int32)
+        idx = positions.to(self.cos.device, torch.int32)
         return self.cos.index_select(0, idx), self.sin.index_select(0, idx)

@@ -25,12 +25,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
-from dist_glm5.model.kv_cache import Chunk, PagedKVCache
+from dist_glm5.model.kv_cache import Chunk, ForwardBatch, PagedKVCache
 
 from . import runtime, warmup
 from .buckets import BucketConfig, find_bucket
@@ -92,6 +92,24 @@ class HpuStage:
         return cache
 
     # ---- one step --------------------------------------------------------------------------
+    def prepare(self, cache: PagedKVCache, chunks: list[Chunk]) -> ForwardBatch:
+        """The step's metadata for the plan's chunks padded to a bucket, on the device."""
+        return self.on_device(cache.prepare(self.pad(chunks)))
+
+    def on_device(self, batch: ForwardBatch) -> ForwardBatch:
+        """The batch's index tensors (made on the host from the plan) copied to the device once
+        per step, so no layer mixes host and device tensors."""
+        dev = self.device
+        keys = {id(k): replace(k, table=k.table.to(dev)) for k in batch.keys}
+        groups = [
+            replace(g, tok=g.tok.to(dev), valid=g.valid.to(dev), q_pos=g.q_pos.to(dev),
+                    real=g.real.to(dev), keys=[keys[id(k)] for k in g.keys])  # fmt: skip
+            for g in batch.groups
+        ]
+        return replace(batch, positions=batch.positions.to(dev),
+                       write_slots=batch.write_slots.to(dev),
+                       keys=[keys[id(k)] for k in batch.keys], groups=groups)  # fmt: skip
+
     def pad(self, chunks: list[Chunk]) -> list[Chunk]:
         """The plan's chunks and, unless their token count is a bucket, one scratch chunk filling
         it up to the next bucket."""
@@ -133,7 +151,7 @@ class HpuStage:
         H = self.model.cfg.hidden_size
 
         def run(tokens: int) -> None:
-            batch = cache.prepare([Chunk(PAD_SEQ, 0, tokens)])
+            batch = self.on_device(cache.prepare([Chunk(PAD_SEQ, 0, tokens)]))
             if self.first:
                 x = torch.zeros(tokens, dtype=torch.int64, device=self.device)
             else:
