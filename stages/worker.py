@@ -250,11 +250,15 @@ class StageWorker:
                 mtp_next += actual[1 : n_valid + 1]
                 mtp_seqs.append((out, st, w.sample))
         if mtp_chunks:
-            mb = self.cache.prepare(mtp_chunks)
-            if self.rt is not None:
-                mb = self.rt.on_device(mb)
-            nxt = torch.tensor(mtp_next, device=hn.device)
-            hm = m.mtp_forward(nxt, hn[torch.cat(mtp_rows).to(hn.device)], mb, self.cache)
+            nxt, rows = torch.tensor(mtp_next), torch.cat(mtp_rows)
+            if self.rt is None:
+                mb = self.cache.prepare(mtp_chunks)
+                hm = m.mtp_forward(nxt, hn[rows], mb, self.cache)
+            else:  # padded to a bucket like the layers' step, on the device
+                mb = self.rt.prepare(self.cache, mtp_chunks)
+                T, h_rows = mb.num_tokens, hn[rows.to(hn.device)]
+                x = self.rt.inputs(nxt, T), self.rt.inputs(h_rows, T)
+                hm = self.rt.forward_mtp(*x, mb, self.cache)
             for (out, st, sampled), (_, e) in zip(mtp_seqs, mb.spans):
                 if sampled:
                     out.draft, st.draft_q = self.propose(

@@ -53,13 +53,14 @@ def mx_dir(default_model_dir, tmp_path_factory):
     return d
 
 
-def engine(model_dir, backend: str, stages: int = 1) -> EngineConfig:
+def engine(model_dir, backend: str, stages: int = 1, mtp: bool = False) -> EngineConfig:
     return EngineConfig(
         str(model_dir),
         Layout(stages),
         CacheConfig(48, 16),
         SchedulerConfig(chunk_tokens=48, step_tokens=128, max_model_len=512),
         DSA,
+        mtp=mtp,
         backend=backend,
     )
 
@@ -100,7 +101,10 @@ def check_guard(steps: list[dict]) -> None:
     assert {w for _, w in found} <= set(PENDING), found
 
 
-def test_one_stage_in_process(fake_hf, mx_dir, want, monkeypatch, tmp_path):
+@pytest.mark.parametrize("mtp", [False, True])
+def test_one_stage_in_process(fake_hf, mx_dir, want, monkeypatch, tmp_path, mtp):
+    """With MTP the greedy tokens are the same (drafts verified on the last stage); the MTP
+    layer's own rows are not padded (not bucketed yet)."""
     for k, v in {**BUCKET_ENV, "DIST_GLM5_HPU_DEVICE": "cpu",
                  "DIST_GLM5_HPU_GUARD": str(tmp_path)}.items():  # fmt: skip
         monkeypatch.setenv(k, v)
@@ -108,7 +112,7 @@ def test_one_stage_in_process(fake_hf, mx_dir, want, monkeypatch, tmp_path):
     from dist_glm5.backends.hpu.stage import HpuStage
     from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
 
-    eng = engine(mx_dir, "hpu")
+    eng = engine(mx_dir, "hpu", mtp=mtp)
     pipe = InProcessPipeline(StageSpec(eng))
     w = pipe.worker
     assert isinstance(w.rt, HpuStage) and w.model.ops.name == "hpu"
@@ -130,8 +134,13 @@ def test_one_stage_in_process(fake_hf, mx_dir, want, monkeypatch, tmp_path):
     assert moe and moe <= set(TOKENS), moe
     (steps,) = guard_steps(tmp_path).values()
     check_guard(steps)
+    # one mark_step per decoder layer (and MTP layer) per forward
     marks = len(fake_hf.calls("core.mark_step"))
-    assert marks == len(steps) * len(w.model.layer_range)
+    per = {"layers": len(w.model.layer_range), "mtp": 1}
+    assert marks == sum(per[s["what"]] for s in steps)
+    assert any(s["what"] == "mtp" for s in steps) == mtp
+    if mtp:
+        assert c.stats.acceptance is not None
 
 
 def test_two_stages_over_ray_and_fake_hccl(mx_dir, want, monkeypatch, tmp_path):

@@ -3,21 +3,24 @@
 `HpuStage(model, ...)` (the backend's `stage` factory; stages/worker.py asks for it):
 - places the weights on the device, builds the paged cache there, and swaps the host RoPE table
   for the device table (norm_rope.DeviceRopeTable: no growth and no `.max()` inside a step);
-- lazy mode: a mark_step after every decoder layer (runtime.add_layer_mark_steps). The model is
-  not captured as HPU graphs: a step's Python control flow (per-sequence groups, capped chunks)
-  still depends on the plan, which a replayed graph would ignore;
-- pads each step's token count to a bucket (buckets.BucketConfig.step_tokens): the padding is one
-  chunk of a scratch sequence at positions 0..P-1 in blocks of its own, past the scheduler's
-  blocks. It writes its keys before it attends to them (never a read of an unwritten slot),
-  attends causally to itself (never a fully masked row), and every stage pads the same plan the
-  same way, so the hidden states sent between stages have the padded shape. Its rows are never
-  sampled (the worker samples the plan's chunks only);
-- warm-up (warmup.warmup): one step of every token bucket, run once when the stage starts;
+- copies each step's index metadata (positions, slots, block tables, groups), made on the host
+  from the plan, to the device once;
+- lazy mode: a mark_step after every decoder layer (runtime.add_layer_mark_steps) and after the
+  MTP layer. The model is not captured as HPU graphs: a step's Python control flow (per-sequence
+  groups, capped chunks) still depends on the plan, which a replayed graph would ignore;
+- pads each step's token count (the layers' and the MTP layer's) to a bucket
+  (buckets.BucketConfig.step_tokens): the padding is one chunk of a scratch sequence at positions
+  0..P-1 in blocks of its own, past the scheduler's blocks. It writes its keys before it attends
+  to them (never a read of an unwritten slot), attends causally to itself (never a fully masked
+  row), and every stage pads the same plan the same way, so the hidden states sent between stages
+  have the padded shape. Its rows are never sampled (the worker samples the plan's chunks only);
+- warm-up (warmup.warmup): one step of every token bucket (layers and MTP layer), run once when
+  the stage starts;
 - optionally runs each step under the dispatch guard (`DIST_GLM5_HPU_GUARD=<dir>`: one JSON line
   per step to <dir>/guard-s<stage>-r<rank>.jsonl). A diagnostic: it reads values, so it syncs.
 
 Not bucketed yet: the context dimension of attention (a step's key count still varies, so the
-card compiles a graph per distinct context length), and the MTP layer's rows.
+card compiles a graph per distinct context length).
 """
 
 from __future__ import annotations
@@ -117,25 +120,37 @@ class HpuStage:
         p = find_bucket(self.tokens, n, "tokens in one step (raise the token buckets)") - n
         return chunks + [Chunk(PAD_SEQ, 0, p)] if p else chunks
 
-    def inputs(self, ids: torch.Tensor, tokens: int) -> torch.Tensor:
-        """First stage: the plan's token ids, padded with token 0 to the step's bucket, on the
-        device."""
-        pad = tokens - ids.shape[0]
+    def inputs(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Rows of the plan's chunks (token ids, or the hidden rows the MTP layer takes) padded
+        with zeros to the step's bucket, on the device."""
+        pad = tokens - x.shape[0]
         if pad:
-            ids = torch.cat([ids, ids.new_zeros(pad)])
-        return ids.to(self.device)
+            x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+        return x.to(self.device)
 
     def forward(self, x: torch.Tensor, batch, cache: PagedKVCache):
+        """The stage's layers over one padded step."""
+        return self._guarded("layers", self.model, x, batch, cache)
+
+    def forward_mtp(self, next_ids: torch.Tensor, h: torch.Tensor, batch, cache: PagedKVCache):
+        """The MTP layer over one padded step (`batch` from prepare(); rows from inputs())."""
+        out = self._guarded("mtp", self.model.mtp_forward, next_ids, h, batch, cache)
+        runtime.mark_step()  # forward_mtp is not a module call: no layer hook fires
+        return out
+
+    def _guarded(self, what: str, fn, *args):
         self.steps += 1
         if self.guard_file is None:
-            return self.model(x, batch, cache)
+            return fn(*args)
+        cache = args[-1]
         guard = StepGuard(self.gather_cap, [*cache.kv.values(), *cache.index_k.values()])
         with guard:
-            out = self.model(x, batch, cache)
+            out = fn(*args)
         self.guard_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.guard_file, "a") as f:
-            rec = {"step": self.steps, "tokens": batch.num_tokens, "ops": guard.ops,
-                   "violations": [asdict(v) for v in guard.violations]}  # fmt: skip
+            found = [asdict(v) for v in guard.violations]
+            rec = {"step": self.steps, "what": what, "tokens": args[-2].num_tokens,
+                   "ops": guard.ops, "violations": found}  # fmt: skip
             f.write(json.dumps(rec) + "\n")
         if guard.violations:
             log.warning("%s: step %d: %d guard finding(s), first %s", self.name, self.steps,
@@ -144,8 +159,9 @@ class HpuStage:
 
     # ---- warm-up ---------------------------------------------------------------------------
     def warmup(self, cache: PagedKVCache) -> list[warmup.BucketTime]:
-        """One step of every token bucket through this stage's layers (the scratch sequence,
-        zeros in: results are discarded), each timed against the driver's lock-up timer."""
+        """One step of every token bucket through this stage's layers and MTP layer (the scratch
+        sequence, zeros in: results are discarded), each timed against the driver's lock-up
+        timer."""
         if not self.run_warmup:
             return []
         H = self.model.cfg.hidden_size
@@ -158,6 +174,10 @@ class HpuStage:
                 x = torch.zeros(tokens, H, dtype=self.model.dtype, device=self.device)
             with torch.no_grad():
                 self.model(x, batch, cache)
+                if self.model.has_mtp:  # the last stage's MTP layer, same bucket
+                    ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+                    h = torch.zeros(tokens, H, dtype=self.model.dtype, device=self.device)
+                    self.model.mtp_forward(ids, h, batch, cache)
 
         times = warmup.warmup(self.tokens, run)
         log.info("%s: warm-up of %d token buckets (%s) in %.1f s", self.name, len(times),
