@@ -41,6 +41,7 @@ BUCKET_ENV = {
     "DIST_GLM5_PROMPT_QUERY_BUCKET_MAX": "128",
 }
 TOKENS = (1, 2, 4, 16, 32, 64, 96, 128)
+CTX_BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16, 23, 32)  # the default: 2 per doubling up to 512 / 16
 DSA = DSAConfig(mode="sparse", prefill_attention="windows", gather_cap_bytes=64 * 1024)
 
 
@@ -92,8 +93,11 @@ def guard_steps(d: Path) -> dict[str, list[dict]]:
 
 
 def check_guard(steps: list[dict]) -> None:
-    """Every step padded to a bucket; every finding of the guard in a PENDING file."""
+    """Every step padded to a token bucket, every sequence's context to a context bucket; every
+    finding of the guard in a PENDING file."""
     assert steps and all(s["tokens"] in TOKENS for s in steps), [s["tokens"] for s in steps]
+    keys = {n for s in steps for n in s["keys"]}
+    assert keys <= {16 * b for b in CTX_BLOCKS}, keys
     assert all(s["ops"] > 0 for s in steps)  # the guard saw the step's ops
     found = collections.Counter(
         (v["kind"], v["where"].split(":")[0]) for s in steps for v in s["violations"]

@@ -19,8 +19,13 @@
 - optionally runs each step under the dispatch guard (`DIST_GLM5_HPU_GUARD=<dir>`: one JSON line
   per step to <dir>/guard-s<stage>-r<rank>.jsonl). A diagnostic: it reads values, so it syncs.
 
-Not bucketed yet: the context dimension of attention (a step's key count still varies, so the
-card compiles a graph per distinct context length).
+- pads each sequence's context (its key count) to a context bucket of whole blocks
+  (buckets `decode_ctx`), masked by causality (`pad_context`); the cache is zeroed once, so the
+  masked slots are finite.
+
+Not yet static: a step's number of attention groups and of capped chunks still follows the plan
+(one graph per combination on the card, all from bucketed shapes). Warm-up runs the token
+buckets at the smallest context only.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from dist_glm5.model.kv_cache import Chunk, ForwardBatch, PagedKVCache
+from dist_glm5.model.kv_cache import Chunk, ForwardBatch, KeySlots, PagedKVCache
 
 from . import runtime, warmup
 from .buckets import BucketConfig, find_bucket
@@ -66,6 +71,14 @@ class HpuStage:
             block_size=block_size, max_model_len=max_model_len
         )
         self.tokens = self.buckets.step_tokens()
+        self.ctx = self.buckets.table("decode_ctx")  # context blocks of every step's sequences
+        if self.ctx[-1] * block_size < self.tokens[-1]:
+            raise ValueError(
+                f"the largest context bucket ({self.ctx[-1]} blocks of {block_size}) is shorter "
+                f"than the largest token bucket ({self.tokens[-1]}): raise the context "
+                "(DIST_GLM5_DECODE_CTX_BUCKET_MAX, --ctx) or lower "
+                "DIST_GLM5_PROMPT_QUERY_BUCKET_MAX"
+            )
         if step_tokens is not None and step_tokens > self.tokens[-1]:
             raise ValueError(
                 f"the scheduler plans steps of up to {step_tokens} tokens but the largest token "
@@ -92,6 +105,9 @@ class HpuStage:
         cache = PagedKVCache(cfg, layers, self.blocks + self.scratch, self.block_size,
                              dtype=dtype, allocate=False, device=self.device)  # fmt: skip
         cache.assign(PAD_SEQ, list(range(self.blocks, self.blocks + self.scratch)))
+        # zeros, not empty: a padded context reads slots no token wrote (masked, but 0 x NaN is NaN)
+        for t in [*cache.kv.values(), *cache.index_k.values()]:
+            t.zero_()
         return cache
 
     # ---- one step --------------------------------------------------------------------------
@@ -101,9 +117,10 @@ class HpuStage:
 
     def on_device(self, batch: ForwardBatch) -> ForwardBatch:
         """The batch's index tensors (made on the host from the plan) copied to the device once
-        per step, so no layer mixes host and device tensors."""
+        per step, so no layer mixes host and device tensors; each sequence's context padded to a
+        context bucket."""
         dev = self.device
-        keys = {id(k): replace(k, table=k.table.to(dev)) for k in batch.keys}
+        keys = {id(k): self.pad_context(k, dev) for k in batch.keys}
         groups = [
             replace(g, tok=g.tok.to(dev), valid=g.valid.to(dev), q_pos=g.q_pos.to(dev),
                     real=g.real.to(dev), keys=[keys[id(k)] for k in g.keys])  # fmt: skip
@@ -112,6 +129,19 @@ class HpuStage:
         return replace(batch, positions=batch.positions.to(dev),
                        write_slots=batch.write_slots.to(dev),
                        keys=[keys[id(k)] for k in batch.keys], groups=groups)  # fmt: skip
+
+    def pad_context(self, keys: KeySlots, device) -> KeySlots:
+        """A sequence's keys 0..L-1 as keys 0..C-1, C a context bucket (whole blocks): positions
+        past L sit after every query of the step, so the causal mask removes them (selection and
+        attention alike, the padded step computes the same values) and a row keeps its own key.
+        Table entries past the sequence's own blocks name the first scratch block (written,
+        finite)."""
+        bs = self.block_size
+        blocks = find_bucket(self.ctx, -(-len(keys) // bs), "context (blocks)")
+        table = keys.table
+        if table.shape[0] < blocks:
+            table = torch.cat([table, table.new_full((blocks - table.shape[0],), self.blocks)])
+        return replace(keys, table=table.to(device), length=blocks * bs)
 
     def pad(self, chunks: list[Chunk]) -> list[Chunk]:
         """The plan's chunks and, unless their token count is a bucket, one scratch chunk filling
@@ -150,7 +180,8 @@ class HpuStage:
         with open(self.guard_file, "a") as f:
             found = [asdict(v) for v in guard.violations]
             rec = {"step": self.steps, "what": what, "tokens": args[-2].num_tokens,
-                   "ops": guard.ops, "violations": found}  # fmt: skip
+                   "keys": sorted({len(k) for k in args[-2].keys}), "ops": guard.ops,
+                   "violations": found}  # fmt: skip
             f.write(json.dumps(rec) + "\n")
         if guard.violations:
             log.warning("%s: step %d: %d guard finding(s), first %s", self.name, self.steps,
