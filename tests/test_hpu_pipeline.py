@@ -39,9 +39,14 @@ BUCKET_ENV = {
     "DIST_GLM5_PROMPT_QUERY_BUCKET_MIN": "16",
     "DIST_GLM5_PROMPT_QUERY_BUCKET_STEP": "32",
     "DIST_GLM5_PROMPT_QUERY_BUCKET_MAX": "128",
+    "DIST_GLM5_DECODE_CTX_BUCKET_MIN": "4",
+    "DIST_GLM5_DECODE_CTX_BUCKET_STEP": "16",
+    "DIST_GLM5_DECODE_CTX_BUCKET_MAX": "32",
 }
 TOKENS = (1, 2, 4, 16, 32, 64, 96, 128)
-CTX_BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16, 23, 32)  # the default: 2 per doubling up to 512 / 16
+CTX_BLOCKS = (4, 8, 16, 32)  # context blocks of 16 tokens, up to the 512-token context
+# warm-up: each token bucket at each context bucket that holds it (4 blocks hold 64 tokens)
+WARM = [(t, c) for c in CTX_BLOCKS for t in TOKENS if t <= 16 * c]
 DSA = DSAConfig(mode="sparse", prefill_attention="windows", gather_cap_bytes=64 * 1024)
 
 
@@ -121,11 +126,13 @@ def test_one_stage_in_process(fake_hf, mx_dir, want, monkeypatch, tmp_path, mtp)
     w = pipe.worker
     assert isinstance(w.rt, HpuStage) and w.model.ops.name == "hpu"
     assert isinstance(w.model.rope, DeviceRopeTable)
-    assert w.rt.tokens == TOKENS
-    # warm-up: each token bucket once, compile-only, then mark_step + synchronize
+    assert w.rt.tokens == TOKENS and w.rt.ctx == CTX_BLOCKS and w.rt.warm_buckets() == WARM
+    # warm-up: each bucket once, compile-only, then mark_step + synchronize; the cache is left
+    # zeroed and without the warm-up's table
     warm = [a for a, _ in fake_hf.calls("bridge_config.env_setting.enter")]
-    assert warm == [("PT_COMPILE_ONLY_MODE", True)] * len(TOKENS)
-    assert len(fake_hf.calls("hpu.synchronize")) == len(TOKENS)
+    assert warm == [("PT_COMPILE_ONLY_MODE", True)] * len(WARM) and len(WARM) == 30
+    assert len(fake_hf.calls("hpu.synchronize")) == len(WARM)
+    assert all(not t.any() for t in w.cache.kv.values()) and set(w.cache.tables) == {-1}
     fake_hf.reset()
     c = coordinator(eng, pipe)
     try:
@@ -187,7 +194,7 @@ def test_two_stages_over_ray_and_fake_hccl(mx_dir, want, monkeypatch, tmp_path):
     assert len(workers) == 2  # both stages opened "hccl" process groups
     for g in workers:
         names = [e["name"] for e in g]
-        assert names.count("bridge_config.env_setting.enter") == len(TOKENS)  # warm-up
+        assert names.count("bridge_config.env_setting.enter") == len(WARM)  # warm-up
         assert names.index("hccl.process_group") < names.index("bridge_config.env_setting.enter")
         moe = {e["shapes"][0][0] for e in g if e["name"] == "moe.mxfp4_fused_weights"}
         assert moe and moe <= set(TOKENS)

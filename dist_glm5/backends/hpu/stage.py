@@ -14,8 +14,8 @@
   to them (never a read of an unwritten slot), attends causally to itself (never a fully masked
   row), and every stage pads the same plan the same way, so the hidden states sent between stages
   have the padded shape. Its rows are never sampled (the worker samples the plan's chunks only);
-- warm-up (warmup.warmup): one step of every token bucket (layers and MTP layer), run once when
-  the stage starts;
+- warm-up (warmup.warmup): one step of every (tokens, context) bucket (layers and MTP layer),
+  run once when the stage starts;
 - optionally runs each step under the dispatch guard (`DIST_GLM5_HPU_GUARD=<dir>`: one JSON line
   per step to <dir>/guard-s<stage>-r<rank>.jsonl). A diagnostic: it reads values, so it syncs.
 
@@ -24,8 +24,8 @@
   masked slots are finite.
 
 Not yet static: a step's number of attention groups and of capped chunks still follows the plan
-(one graph per combination on the card, all from bucketed shapes). Warm-up runs the token
-buckets at the smallest context only.
+(one graph per combination on the card, all from bucketed shapes); warm-up runs one chunk per
+bucket.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from .norm_rope import DeviceRopeTable
 log = logging.getLogger(__name__)
 GUARD_ENV = "DIST_GLM5_HPU_GUARD"
 PAD_SEQ = -1  # the scratch sequence's id: the scheduler's ids are >= 0
+WARM_SEQ = -2  # the warm-up's sequence, over the scheduler's blocks before the first plan
 
 
 class HpuStage:
@@ -189,28 +190,40 @@ class HpuStage:
         return out
 
     # ---- warm-up ---------------------------------------------------------------------------
+    def warm_buckets(self) -> list[tuple[int, int]]:
+        """(tokens, context blocks) of one chunk: every token bucket at every context bucket that
+        holds it and fits this stage's cache (a larger context cannot occur)."""
+        bs = self.block_size
+        return [(t, c) for c in self.ctx if c <= self.blocks for t in self.tokens if t <= c * bs]
+
     def warmup(self, cache: PagedKVCache) -> list[warmup.BucketTime]:
-        """One step of every token bucket through this stage's layers and MTP layer (the scratch
-        sequence, zeros in: results are discarded), each timed against the driver's lock-up
-        timer."""
+        """One step of every (tokens, context) bucket through this stage's layers and MTP layer,
+        each timed against the driver's lock-up timer. The cache is empty before the first plan:
+        a warm-up chunk ends at its context bucket in the scheduler's first blocks (zeros in,
+        results discarded), and the cache is zeroed again afterwards."""
         if not self.run_warmup:
             return []
-        H = self.model.cfg.hidden_size
+        H, bs, buckets = self.model.cfg.hidden_size, self.block_size, self.warm_buckets()
+        if not buckets:
+            return []
+        cache.assign(WARM_SEQ, list(range(max(c for _, c in buckets))))
 
-        def run(tokens: int) -> None:
-            batch = self.on_device(cache.prepare([Chunk(PAD_SEQ, 0, tokens)]))
-            if self.first:
-                x = torch.zeros(tokens, dtype=torch.int64, device=self.device)
-            else:
-                x = torch.zeros(tokens, H, dtype=self.model.dtype, device=self.device)
+        def run(bucket: tuple[int, int]) -> None:
+            tokens, blocks = bucket
+            batch = self.on_device(cache.prepare([Chunk(WARM_SEQ, blocks * bs - tokens, tokens)]))
+            ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+            h = torch.zeros(tokens, H, dtype=self.model.dtype, device=self.device)
             with torch.no_grad():
-                self.model(x, batch, cache)
+                self.model(ids if self.first else h, batch, cache)
                 if self.model.has_mtp:  # the last stage's MTP layer, same bucket
-                    ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
-                    h = torch.zeros(tokens, H, dtype=self.model.dtype, device=self.device)
                     self.model.mtp_forward(ids, h, batch, cache)
 
-        times = warmup.warmup(self.tokens, run)
-        log.info("%s: warm-up of %d token buckets (%s) in %.1f s", self.name, len(times),
-                 ",".join(map(str, self.tokens)), sum(t.seconds for t in times))  # fmt: skip
+        try:
+            times = warmup.warmup(buckets, run)
+        finally:
+            cache.release(WARM_SEQ)
+            for t in [*cache.kv.values(), *cache.index_k.values()]:
+                t.zero_()
+        log.info("%s: warm-up of %d (tokens, context blocks) buckets in %.1f s", self.name,
+                 len(times), sum(t.seconds for t in times))  # fmt: skip
         return times
