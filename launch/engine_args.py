@@ -76,12 +76,11 @@ def model_dir(args: argparse.Namespace) -> Path:
 def dsa_config(args: argparse.Namespace) -> DSAConfig:
     """--dsa: "sparse" (the default in every command) or "dense" (the reference);
     --dsa-prefill: the sparse prefill form, by default the backend's (rows on CPU, windows on
-    Gaudi)."""
-    prefill = getattr(args, "dsa_prefill", None) or (
-        "windows" if getattr(args, "backend", "cpu") == "hpu" else "rows"
-    )
+    Gaudi); on Gaudi the windows' unions have static sizes (DSAConfig.static_union)."""
+    hpu = getattr(args, "backend", "cpu") == "hpu"
+    prefill = getattr(args, "dsa_prefill", None) or ("windows" if hpu else "rows")
     mode = "reference" if getattr(args, "dsa", "sparse") == "dense" else "sparse"
-    return DSAConfig(mode=mode, prefill_attention=prefill)
+    return DSAConfig(mode=mode, prefill_attention=prefill, static_union=hpu)
 
 
 def engine_config(

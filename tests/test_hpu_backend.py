@@ -179,7 +179,7 @@ def test_launch_hpu_without_the_stack_and_with_the_fake(
     (args,) = served
     eng = engine_config(args, default_model_dir)
     assert eng.backend == "hpu" and eng.layout.stages == (2 if command == "two-node" else 1)
-    assert eng.dsa.prefill_attention == "windows"  # Gaudi's sparse prefill form
+    assert eng.dsa.prefill_attention == "windows" and eng.dsa.static_union  # Gaudi's forms
     assert "hpu: PT_HPU_LAZY_MODE=1 (default" in caplog.text  # the defaults it set, said
 
 

@@ -40,8 +40,9 @@ CAP = 32 * 1024  # small: the sparse paths split their gathers into several capp
 PENDING = {
     "dist_glm5/model/rope.py": "`int(positions.max())` in RopeTable.lookup (host table; "
     "the hpu stage uses DeviceRopeTable)",
-    "dist_glm5/model/dsa.py": "`nonzero` of the union in sparse_prefill beyond dense_threshold "
-    "(the union's size chooses the path: data-dependent by design)",
+    "dist_glm5/model/dsa.py": "`nonzero` of the exact union in sparse_prefill beyond "
+    "dense_threshold when DSAConfig.static_union is off (the CPU's default; on hpu the launcher "
+    "turns it on)",
 }
 
 
@@ -80,12 +81,17 @@ def sites(guards):
     )
 
 
-@pytest.mark.parametrize("mode", ["sparse", "dense"])
+# "union": contexts above dense_threshold, where each prefill window attends over the union of
+# its selections, found with a static size (DSAConfig.static_union, Gaudi's rule)
+@pytest.mark.parametrize("mode", ["sparse", "dense", "union"])
 def test_prefill_and_decode_through_the_hpu_backend(fake_hf, mx_dir, mode):
     dsa_cfg = DSAConfig(
-        mode="sparse" if mode == "sparse" else "reference",
+        mode="reference" if mode == "dense" else "sparse",
         gather_cap_bytes=CAP,
         prefill_attention="windows",  # Gaudi's form: static batched GEMMs
+        dense_threshold=16 if mode == "union" else DSAConfig.dense_threshold,
+        window=8,
+        static_union=mode == "union",
     )
     want, _ = run_steps(load_model(mx_dir, ops=reference_ops()).set_dsa(dsa_cfg))
 
@@ -95,7 +101,7 @@ def test_prefill_and_decode_through_the_hpu_backend(fake_hf, mx_dir, mode):
     layers = [model.model.layers[str(i)] for i in model.layer_range]
     runtime.add_layer_mark_steps(layers)
     assert runtime.wrap_graph(model) is model
-    got, guards = run_steps(model, CAP if mode == "sparse" else None)
+    got, guards = run_steps(model, None if mode == "dense" else CAP)
 
     for a, b in zip(got, want):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
@@ -122,3 +128,49 @@ def test_prefill_and_decode_through_the_hpu_backend(fake_hf, mx_dir, mode):
     log.info("%s: not yet through the seam: %s", mode, dict(found))
     # with the rope table on the device and contexts under dense_threshold: nothing left
     assert not found, found
+
+
+def test_static_union_equals_the_exact_union(mx_dir):
+    """The windows' unions with static sizes give the exact union's result (CPU reference ops);
+    the exact one reads the union's size back (the guard's `nonzero`, PENDING), the static one
+    does not."""
+    cfg = DSAConfig(mode="sparse", prefill_attention="windows", dense_threshold=16, window=8,
+                    gather_cap_bytes=CAP)  # fmt: skip
+    outs = {}
+    for static in (False, True):
+        model = load_model(mx_dir, ops=reference_ops())
+        model.set_dsa(DSAConfig(**{**cfg.__dict__, "static_union": static}))
+        outs[static], guards = run_steps(model, CAP)
+        union = [v for g in guards for v in g.violations
+                 if "nonzero" in v.op and v.where.startswith("dist_glm5/model/dsa.py")]  # fmt: skip
+        assert bool(union) != static
+    for a, b in zip(outs[True], outs[False]):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def test_static_union_gathers_the_union_with_static_sizes():
+    """Above the dense cut-off, a window's union found with its static size (rows x top-k, the
+    unused places masked) attends over the same keys as the exact union, and reads nothing
+    back; a window whose size bound passes union_max_frac attends densely (chosen by shapes)."""
+    from dist_glm5.model import dsa as D
+    from dist_glm5.model.kv_cache import KeySlots
+
+    g = torch.Generator().manual_seed(1)
+    L, k, bs, c, r, h, n = 700, 8, 16, 32, 8, 2, 12
+    keys = KeySlots(torch.randperm(64, generator=g)[: -(-L // bs)], bs, L)
+    store = torch.randn(64 * bs, c + r, generator=g)
+    q_lat, q_rot = torch.randn(n, h, c, generator=g), torch.randn(n, h, r, generator=g)
+    keep = torch.zeros(n, L, dtype=torch.bool)
+    for i in range(n):  # at most k each, itself included
+        keep[i, torch.randperm(L - n, generator=g)[: k - 1]] = True
+        keep[i, L - n + i] = True
+    for window in (4, 12):  # 4 x 8 = 32 keys: the union; 12 x 8 = 96 > 0.1 L: dense
+        cfg = DSAConfig(mode="sparse", prefill_attention="windows", dense_threshold=0,
+                        window=window, union_max_frac=0.1)  # fmt: skip
+        want = D.sparse_prefill(q_lat, q_rot, store, keys, keep, c, 0.1, cfg, topk=k)
+        static = DSAConfig(**{**cfg.__dict__, "static_union": True})
+        guard = StepGuard()
+        with guard:
+            got = D.sparse_prefill(q_lat, q_rot, store, keys, keep, c, 0.1, static, topk=k)
+        assert not guard.violations, guard.violations
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -315,6 +315,10 @@ def sparse_prefill(
                 q_lat[a:b], q_rot[a:b], kv_store, keys, win, kv_lora, scale, cfg.gather_cap_bytes
             )
             continue
+        if cfg.static_union and topk is not None:
+            out[a:b] = _static_union(q_lat[a:b], q_rot[a:b], kv_store, keys, win, kv_lora,
+                                     scale, cfg, min(L, (b - a) * topk))  # fmt: skip
+            continue
         union = win.any(0).nonzero().squeeze(1)  # [U] key indices, ascending
         if union.numel() > cfg.union_max_frac * L:
             out[a:b] = attend_absorbed_chunked(
@@ -332,6 +336,26 @@ def sparse_prefill(
                 cfg.gather_cap_bytes,
             )
     return out
+
+
+def _static_union(q_lat, q_rot, kv_store, keys, win, kv_lora, scale, cfg, size: int):
+    """One window over the union of its selections, with static shapes: `size` bounds the union
+    (rows x top-k), so the choice between the dense form and the union is made from shapes alone;
+    the union's positions are found as selected_slots finds a row's (a top-k of the mask bytes,
+    kept first, in key order), its unused places repeat the first kept key, masked."""
+    L = win.shape[1]
+    if size > cfg.union_max_frac * L:
+        return attend_absorbed_chunked(
+            q_lat, q_rot, kv_store, keys, win, kv_lora, scale, cfg.gather_cap_bytes
+        )
+    v, idx = win.any(0).view(torch.uint8).topk(size)
+    order = torch.where(v.bool(), idx, idx + L).sort().values
+    valid = order < L
+    idx = torch.where(valid, order, order[:1])
+    return attend_absorbed_chunked(
+        q_lat, q_rot, kv_store, keys.at(idx), win[:, idx] & valid, kv_lora, scale,
+        cfg.gather_cap_bytes,
+    )  # fmt: skip
 
 
 def gather_plan(

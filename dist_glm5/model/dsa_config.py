@@ -25,6 +25,11 @@ class DSAConfig:
     # of a window's selections as one batched GEMM, or dense with the mask below dense_threshold
     # (Gaudi's rule: big static GEMMs, and its accuracy rule below 32K).
     prefill_attention: str = "rows"
+    # "windows" beyond dense_threshold: the union of a window's selections found with a static
+    # size (window x top-k slots, the unused ones masked) and the dense-or-union choice made from
+    # that size alone, so no step reads a value back (Gaudi's rule); False: the exact union
+    # (`nonzero`) and the choice by its real size (the CPU's default)
+    static_union: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_attention not in ("rows", "windows"):
