@@ -64,7 +64,6 @@ class HpuStage:
         step_tokens: int | None = None,
         name: str = "stage",
         buckets: BucketConfig | None = None,
-        run_warmup: bool = True,
     ):
         self.model, self.device, self.name = model, torch.device(device), name
         self.first = model.layer_range.start == 0  # token ids in, else hidden states
@@ -87,7 +86,7 @@ class HpuStage:
                 "the step token budget"
             )
         self.blocks, self.block_size = blocks, block_size
-        self.scratch = -(-self.tokens[-1] // block_size)  # blocks of the largest pad / warm-up
+        self.scratch = -(-self.tokens[-1] // block_size)  # blocks of the largest pad chunk
         self.gather_cap = gather_cap_bytes
         model.to(self.device)
         # positions a sequence can reach (the context, within what the cache holds) and those of
@@ -97,12 +96,11 @@ class HpuStage:
         runtime.add_layer_mark_steps([model.model.layers[str(i)] for i in model.layer_range])
         guard = os.environ.get(GUARD_ENV)
         self.guard_file = Path(guard) / f"guard-{name}.jsonl" if guard else None
-        self.run_warmup = run_warmup
         self.steps = 0
 
     def new_cache(self, cfg, layers: list[int], dtype: torch.dtype) -> PagedKVCache:
         """The stage's paged cache on the device: the scheduler's blocks, then the scratch blocks
-        the padding and the warm-up write to."""
+        the padding writes to."""
         cache = PagedKVCache(cfg, layers, self.blocks + self.scratch, self.block_size,
                              dtype=dtype, allocate=False, device=self.device)  # fmt: skip
         cache.assign(PAD_SEQ, list(range(self.blocks, self.blocks + self.scratch)))
@@ -201,8 +199,6 @@ class HpuStage:
         each timed against the driver's lock-up timer. The cache is empty before the first plan:
         a warm-up chunk ends at its context bucket in the scheduler's first blocks (zeros in,
         results discarded), and the cache is zeroed again afterwards."""
-        if not self.run_warmup:
-            return []
         H, bs, buckets = self.model.cfg.hidden_size, self.block_size, self.warm_buckets()
         if not buckets:
             return []
