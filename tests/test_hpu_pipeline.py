@@ -4,8 +4,8 @@ the device RoPE table), serve a short greedy generation of the MXFP4 test model 
 backend's tokens. The dispatch guard runs in every worker (DIST_GLM5_HPU_GUARD) and finds nothing
 outside test_hpu_step.PENDING.
 
-One stage in this process, and two stages as Ray actors exchanging hidden states over the fake
-"hccl" (registered on gloo). The fake keeps tensors on the CPU (DIST_GLM5_HPU_DEVICE=cpu): device
+One stage in this process; as Ray actors over the fake "hccl" (registered on gloo), two stages
+exchanging hidden states, and one stage of two TP/EP ranks. The fake keeps tensors on the CPU (DIST_GLM5_HPU_DEVICE=cpu): device
 placement is exercised as calls, not as memory on a card.
 """
 
@@ -61,10 +61,10 @@ def mx_dir(default_model_dir, tmp_path_factory):
     return d
 
 
-def engine(model_dir, backend: str, stages: int = 1, mtp: bool = False) -> EngineConfig:
+def engine(model_dir, backend: str, stages: int = 1, mtp: bool = False, tp: int = 1):
     return EngineConfig(
         str(model_dir),
-        Layout(stages),
+        Layout(stages, tp, tp),
         CacheConfig(48, 16),
         SchedulerConfig(chunk_tokens=48, step_tokens=128, max_model_len=512),
         DSA,
@@ -157,9 +157,12 @@ def test_one_stage_in_process(fake_hf, mx_dir, want, monkeypatch, tmp_path, mtp)
         assert c.stats.acceptance is not None
 
 
-def test_two_stages_over_ray_and_fake_hccl(mx_dir, want, monkeypatch, tmp_path):
-    """Ray actors inherit this environment (a fresh local cluster is started here): the fake on
-    their path, its device, the guard's and the fake's log directories."""
+@pytest.mark.parametrize("stages,tp", [(2, 1), (1, 2)])
+def test_ray_workers_over_fake_hccl(mx_dir, want, monkeypatch, tmp_path, stages, tp):
+    """Two stages (hidden states over HcclComm) or one stage of two TP/EP ranks (all-reduces,
+    the indexer rows' packed masks, native MoE calls on each rank's expert range). Ray actors
+    inherit this environment (a fresh local cluster is started here): the fake on their path,
+    its device, the guard's and the fake's log directories."""
     ray = pytest.importorskip("ray")
     from dist_glm5.stages.ray_pipeline import RayPipeline
 
@@ -172,7 +175,7 @@ def test_two_stages_over_ray_and_fake_hccl(mx_dir, want, monkeypatch, tmp_path):
            "PT_HPU_LAZY_MODE": "1"}  # fmt: skip
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    eng = engine(mx_dir, "hpu", stages=2)
+    eng = engine(mx_dir, "hpu", stages=stages, tp=tp)
     try:
         c = coordinator(eng, RayPipeline(eng, startup_timeout=600))
         try:
@@ -183,18 +186,17 @@ def test_two_stages_over_ray_and_fake_hccl(mx_dir, want, monkeypatch, tmp_path):
         ray.shutdown()
     assert got == want
     guards = guard_steps(tmp_path)
-    assert set(guards) == {"guard-s0-r0", "guard-s1-r0"}
+    assert set(guards) == {f"guard-s{s}-r{r}" for s in range(stages) for r in range(tp)}
     for steps in guards.values():
         check_guard(steps)
-    # the same padded step on both sides of the link
-    assert [s["tokens"] for s in guards["guard-s0-r0"]] == [
-        s["tokens"] for s in guards["guard-s1-r0"]
-    ]
+    # the same padded steps on every worker (both sides of the link, every rank)
+    tokens = {tuple(s["tokens"] for s in steps) for steps in guards.values()}
+    assert len(tokens) == 1
     # what the fake saw inside the two worker processes
     logs = [[json.loads(x) for x in p.read_text().splitlines()]
             for p in (tmp_path / "fake").glob("*.jsonl")]  # fmt: skip
     workers = [g for g in logs if any(e["name"] == "hccl.process_group" for e in g)]
-    assert len(workers) == 2  # both stages opened "hccl" process groups
+    assert len(workers) == 2  # both workers opened "hccl" process groups
     for g in workers:
         names = [e["name"] for e in g]
         assert names.count("bridge_config.env_setting.enter") == len(WARM)  # warm-up
