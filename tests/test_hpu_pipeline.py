@@ -5,8 +5,8 @@ backend's tokens. The dispatch guard runs in every worker (DIST_GLM5_HPU_GUARD) 
 outside test_hpu_step.PENDING.
 
 One stage in this process; as Ray actors over the fake "hccl" (registered on gloo), two stages
-exchanging hidden states, and one stage of two TP/EP ranks. The fake keeps tensors on the CPU (DIST_GLM5_HPU_DEVICE=cpu): device
-placement is exercised as calls, not as memory on a card.
+exchanging hidden states, and one stage of two TP/EP ranks. The fake keeps tensors on the CPU
+(DIST_GLM5_HPU_DEVICE=cpu): device placement is exercised as calls, not as memory on a card.
 """
 
 from __future__ import annotations
