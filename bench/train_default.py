@@ -13,11 +13,19 @@ trained with transformers' GlmMoeDsaForCausalLM plus an MTP block built from its
   KL restricted to the selected set.
 - MoE balance without an auxiliary loss (DeepSeek-V3): after each step every router's correction
   bias moves by BIAS_RATE toward the experts that got fewer tokens than the mean.
-Data: corpus.py (stdlib windows and needle documents). Deterministic per step (the batch of step
+- Attention supervision (without it the seed run never learned to copy in ~2M tokens: induction
+  sits behind a long plateau a 2-core hour cannot cross). Heads 0-2 of layer 0 are told to read
+  the byte 1, 2, 3 back (with training-only linear read-outs naming that byte); head 0 of layer 2
+  (a full-indexer layer, so its selection can find the byte) is told to read the byte after the
+  earlier occurrence of the current context on rows of repeats, whose source the synthetic
+  documents know; its output must name that byte through its own o_proj columns and lm_head; the
+  LM loss on those rows counts twice. All of it is a loss: the exported model is the plain
+  architecture, and the indexer learns the induction head's attention through its KL like the rest.
+Data: corpus.py (stdlib windows, needle, copy and repeat documents with their source maps). Deterministic per step (the batch of step
 s depends only on the seed and s), so a resumed run sees the data it would have seen.
 Checkpoints every --save-every steps to <out>/state.pt; rerunning the command resumes.
 One torch thread by default: on this machine's 2 cores, shared with other jobs, two threads made a
-step about 7x slower (oversubscribed OpenMP), one thread ~4 s for 2,048 tokens of phase one.
+step about 7x slower (oversubscribed OpenMP), one thread ~1.5 s for 2,048 tokens of phase one.
 
 Reproduce the shipped weights (about 80 min here):
     dist-glm5 bench train-default --out RUN --export dist_glm5/checkpoint/default_model/trained
@@ -78,24 +86,36 @@ TRAIN_CONFIG = {
     "pad_token_id": 258,
     "tie_word_embeddings": False,
     "attention_bias": False,
-    "initializer_range": 0.02,
+    "initializer_range": 0.06,  # ~1/sqrt(hidden): 0.02 left attention in a long plateau
     "dtype": "bfloat16",
 }
 MTP_WEIGHT = 0.3
+SUPERVISION = (
+    "offset",
+    "readout",
+    "ind",
+    "copy",
+    "lm_copy",
+)  # attention_supervision's losses, weight 1
+# Attention supervision (see Trainer.attention_supervision): heads h of OFFSET_LAYER read the byte
+# OFFSETS[h] back; head 0 of INDUCTION_LAYER reads the byte after the earlier occurrence of the
+# current context. INDUCTION_LAYER has a full indexer (its selection must find that byte).
+OFFSET_LAYER, OFFSETS, INDUCTION_LAYER = 0, (1, 2, 3), 2
+INDUCTION_LR = 4.0  # x the base rate for the induction layer's attention (its slow bilinear start)
 BIAS_RATE = 1e-3
 # phases: (last step, sequence length, batch, sparse selection on, data mix)
 PHASES = [
-    (425, 512, 4, False, "base"),
-    (625, 512, 4, False, "induction"),  # by step 425 the model did not copy yet: drill it
-    (850, 1024, 2, True, "long"),
-    (950, 2048, 1, True, "long"),
+    (900, 512, 4, False, "drill"),  # copying first: the supervised heads form on repeats
+    (1500, 512, 4, False, "base"),
+    (1800, 1024, 2, True, "long"),  # sparse selection on: the indexer must find the repeat
+    (1950, 2048, 1, True, "long"),
 ]
 # data mixes: fractions of needle documents, copy documents (spans of code repeated), repeat
 # documents (random strings repeated: only copying predicts them); the rest plain code
 MIXES = {
-    "base": {"needle": 0.3, "copy": 0.3, "repeat": 0.0},
-    "induction": {"needle": 0.25, "copy": 0.0, "repeat": 0.5},
-    "long": {"needle": 0.35, "copy": 0.15, "repeat": 0.2},
+    "drill": {"needle": 0.3, "copy": 0.1, "repeat": 0.4},
+    "base": {"needle": 0.3, "copy": 0.2, "repeat": 0.15},
+    "long": {"needle": 0.4, "copy": 0.15, "repeat": 0.15},
 }
 
 
@@ -203,10 +223,12 @@ def _indexer_forward(
         cm = causal if rows is None else causal.gather(1, rows[..., None].expand(-1, -1, S))
         return out.masked_fill(~cm, float("-inf"))
 
-    with torch.no_grad():
-        scores = scores_of(None)
     topk = min(self.index_topk if self.sparse else S, S)
-    sel = scores.topk(topk, dim=-1).indices
+    if self.sparse:
+        with torch.no_grad():
+            sel = scores_of(None).topk(topk, dim=-1).indices
+    else:  # dense warm-up: every key (the causal mask does the rest), no scores of every row
+        sel = torch.arange(S).expand(B, S, S)
     # The KL loss reads KL_ROWS query rows per sequence (later rows weighted up: more keys)
     R = min(KL_ROWS, S)
     w_rows = torch.arange(1, S + 1, dtype=torch.float).expand(B, S)
@@ -238,6 +260,14 @@ class Trainer:
                 att.indexer.sparse = False
                 att.indexer.rows_gen = self.rows_gen
                 self.indexers.append(i)
+        self.heads: dict[int, torch.Tensor] = {}  # supervised layers' weights, graph kept
+        self.values: dict[int, torch.Tensor] = {}  # their heads' outputs (o_proj's input)
+        for i in (OFFSET_LAYER, INDUCTION_LAYER):
+            layers[i].self_attn.register_forward_hook(self._keep_head(i))
+            layers[i].self_attn.o_proj.register_forward_hook(self._keep_value(i))
+        # training-only linear read-outs of the offset heads (not exported): each head's output
+        # must name the byte it reads, so the induction head has keys to match
+        self.readout = torch.nn.Linear(cfg.v_head_dim, 256 * len(OFFSETS))
         self.loads: dict[int, torch.Tensor] = {}
         self.routers = {}
         for i, layer in enumerate(layers):
@@ -250,6 +280,57 @@ class Trainer:
             self.attn_probs[i] = out[1].detach().sum(1)  # [B, S, S], summed over heads
 
         return hook
+
+    def _keep_head(self, i):
+        def hook(mod, args, out):
+            self.heads[i] = out[1]  # [B, heads, S, S]
+
+        return hook
+
+    def _keep_value(self, i):
+        def hook(mod, args, out):
+            self.values[i] = args[0]  # [B, S, heads * v_head_dim]
+
+        return hook
+
+    def attention_supervision(
+        self, ids: torch.Tensor, induction: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Losses that skip the induction plateau an hour of one core cannot cross (the seed run
+        never learned to copy): -log attention of head h of OFFSET_LAYER on the byte OFFSETS[h]
+        back, plus a read-out of that byte from the head's output; -log attention of head 0 of
+        INDUCTION_LAYER on induction[b, t] (the key holding the byte to predict; rows of repeats
+        only, -1 elsewhere)."""
+        w = self.heads[OFFSET_LAYER]
+        B, S = ids.shape
+        v = self.values[OFFSET_LAYER].view(B, S, -1, self.cfg.v_head_dim)
+        offset = readout = 0.0
+        for h, k in enumerate(OFFSETS):
+            keys = torch.arange(S - k).view(1, -1, 1).expand(B, -1, 1)
+            offset = offset - torch.log(w[:, h, k:].gather(-1, keys).clamp_min(1e-6)).mean()
+            lo = self.readout(v[:, k:, h])[..., 256 * h : 256 * (h + 1)]
+            readout = readout + F.cross_entropy(lo.reshape(-1, 256), ids[:, :-k].reshape(-1))
+        out = {"offset": offset / len(OFFSETS), "readout": readout / len(OFFSETS)}
+        want = induction >= 0
+        a = self.heads[INDUCTION_LAYER][:, 0].gather(-1, induction.clamp_min(0)[..., None])
+        ind = -torch.log(a.squeeze(-1).clamp_min(1e-6))
+        # what head 0 writes must name the byte it reads, in the unembedding's terms: its own
+        # o_proj columns, the final norm and lm_head (the value path otherwise stays mute)
+        att = self._layer(INDUCTION_LAYER).self_attn
+        v0 = self.values[INDUCTION_LAYER][..., : self.cfg.v_head_dim]
+        lo = self.model.lm_head(
+            self.model.model.norm(F.linear(v0, att.o_proj.weight[:, : v0.shape[-1]]))
+        )
+        nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)
+        if want.any():
+            out["ind"] = ind[want].mean()
+            out["copy"] = F.cross_entropy(lo[want], nxt[want])
+            # the whole model on those rows, weighted up: head 0's byte is a small part of the
+            # final residual, and the LM alone took hundreds of steps to start using it
+            out["lm_copy"] = F.cross_entropy(self.logits[want], nxt[want])
+        else:
+            out["ind"] = out["copy"] = out["lm_copy"] = ind.sum() * 0.0
+        return out
 
     def _count(self, i):
         def hook(mod, args, out):
@@ -267,7 +348,21 @@ class Trainer:
         return self.mtp.block if i == n else self.model.model.layers[i]
 
     def parameters(self):
-        return [p for m in (self.model, self.mtp) for p in m.parameters() if p.requires_grad]
+        mods = (self.model, self.mtp, self.readout)
+        return [p for m in mods for p in m.parameters() if p.requires_grad]
+
+    def param_groups(self) -> list[dict]:
+        """AdamW groups: decayed matrices, the rest, and the induction layer's attention at
+        INDUCTION_LR x the rate."""
+        fast = {id(p) for p in self._layer(INDUCTION_LAYER).self_attn.parameters()}
+        groups = {(d, f): [] for d in (True, False) for f in (True, False)}
+        for p in self.parameters():
+            groups[(p.dim() >= 2, id(p) in fast)].append(p)
+        return [
+            {"params": ps, "weight_decay": 0.1 if d else 0.0, "lr_mult": INDUCTION_LR if f else 1.0}
+            for (d, f), ps in groups.items()
+            if ps
+        ]
 
     def indexer_kl(self) -> torch.Tensor:
         """KL(p || softmax(I)) per full-indexer layer, averaged over queries and layers."""
@@ -304,6 +399,7 @@ class Trainer:
         out = m(input_ids=ids, position_ids=pos)
         h = out.last_hidden_state
         logits = self.model.lm_head(h)
+        self.logits = logits  # attention_supervision reads them on the rows of repeats
         lm = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
         # MTP: row i reads h_i and embed(t_{i+1}), predicts t_{i+2}
         emb = m.embed_tokens(ids[:, 1:])
@@ -366,27 +462,46 @@ class Data:
         start = rng.randrange(0, len(self.text) - n)
         return self.text[start : start + n]
 
-    def row(self, rng: random.Random, n: int, mix: str) -> list[int]:
+    def row(self, rng: random.Random, n: int, mix: str) -> tuple[list[int], list[int]]:
+        """(bytes, induction target per byte: the key head 0 of INDUCTION_LAYER should read, -1
+        where the byte is not inside a repeat)."""
         f, u = MIXES[mix], rng.random()
+        src = None
         if u < f["needle"]:
             if rng.random() < 0.5:
                 filler = self.window(rng, n)
             else:
                 filler = self.corpus.prose_filler(rng, n, classic=rng.random() < 0.3)
             k = rng.choice([2, 3, 4, 6, 8])
-            doc = self.corpus.needle_training_doc(rng, filler, k)
+            doc, src = self.corpus.needle_training_doc(rng, filler, k)
         elif u < f["needle"] + f["copy"]:
-            doc = self.corpus.copy_training_doc(rng, self.window(rng, n), rng.choice([1, 2, 3]))
+            text = self.window(rng, n)
+            doc, src = self.corpus.copy_training_doc(rng, text, rng.choice([1, 2, 3]))
         elif u < f["needle"] + f["copy"] + f["repeat"]:
-            doc = self.corpus.repeat_training_doc(rng, self.window(rng, n), n)
+            doc, src = self.corpus.repeat_training_doc(rng, self.window(rng, n), n)
         else:
             doc = self.window(rng, n)
         doc = (doc + b"\n" * n)[:n]
-        return list(doc)
+        src = (list(src or []) + [-1] * n)[:n]
+        return list(doc), induction_targets(doc, src)
 
-    def batch(self, step: int, seq: int, batch: int, mix: str = "base") -> torch.Tensor:
+    def batch(self, step: int, seq: int, batch: int, mix: str = "base"):
+        """(ids [batch, seq], induction targets [batch, seq])."""
         rng = random.Random(self.seed * 1_000_003 + step)
-        return torch.tensor([self.row(rng, seq, mix) for _ in range(batch)])
+        rows = [self.row(rng, seq, mix) for _ in range(batch)]
+        return torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
+
+
+def induction_targets(doc: bytes, src: list[int]) -> list[int]:
+    """Row t repeats the byte at src[t] and the next byte repeats the one after it: the key the
+    induction head should read at t is src[t] + 1 (it holds the byte to predict)."""
+    n = len(doc)
+    out = [-1] * n
+    for t in range(n - 1):
+        s = src[t]
+        if 0 <= s and src[t + 1] == s + 1 and doc[t] == doc[s] and doc[t + 1] == doc[s + 1]:
+            out[t] = s + 1
+    return out
 
 
 def phase_of(step: int):
@@ -427,18 +542,13 @@ def run(args) -> int:
     cfg = hf_config()
     tr = Trainer(cfg, args.seed)
     data = Data(args.seed)
-    decay = [p for p in tr.parameters() if p.dim() >= 2]
-    other = [p for p in tr.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-    )
+    opt = torch.optim.AdamW(tr.param_groups(), lr=args.lr, betas=(0.9, 0.95))
     state_path, step = out / "state.pt", 0
     if state_path.exists():
         st = torch.load(state_path, weights_only=False)
         tr.model.load_state_dict(st["model"])
         tr.mtp.load_state_dict(st["mtp"])
+        tr.readout.load_state_dict(st["readout"])
         opt.load_state_dict(st["opt"])
         step = st["step"]
         log.info("resumed at step %d", step)
@@ -449,12 +559,13 @@ def run(args) -> int:
         seq, batch, sparse, mix = phase_of(step)
         tr.set_sparse(sparse)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr)
-        ids = data.batch(step, seq, batch, mix)
+            g["lr"] = g["lr_mult"] * lr_at(step, args.steps, args.lr)
+        ids, induction = data.batch(step, seq, batch, mix)
         tr.rows_gen.manual_seed(args.seed * 1_000_003 + step)
         tr.model.train()
         ls = tr.losses(ids)
-        loss = ls["lm"] + MTP_WEIGHT * ls["mtp"] + ls["kl"]
+        ls.update(tr.attention_supervision(ids, induction))
+        loss = ls["lm"] + MTP_WEIGHT * ls["mtp"] + ls["kl"] + sum(ls[k] for k in SUPERVISION)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(tr.parameters(), 1.0)
@@ -466,7 +577,7 @@ def run(args) -> int:
         rec["s"] = round(time.time() - t0, 1)
         logf.write(json.dumps(rec) + "\n")
         logf.flush()
-        bar.set_postfix(lm=rec["lm"], mtp=rec["mtp"], kl=rec["kl"], seq=seq)
+        bar.set_postfix(lm=rec["lm"], mtp=rec["mtp"], kl=rec["kl"], ind=rec["ind"], seq=seq)
         bar.update(1)
         if step % args.save_every == 0 or step == args.steps:
             tmp = state_path.with_suffix(".tmp")
@@ -474,6 +585,7 @@ def run(args) -> int:
                 {
                     "model": tr.model.state_dict(),
                     "mtp": tr.mtp.state_dict(),
+                    "readout": tr.readout.state_dict(),
                     "opt": opt.state_dict(),
                     "step": step,
                 },

@@ -160,39 +160,84 @@ def needle_prompt(
     return b"".join(parts)
 
 
-def needle_training_doc(rng: random.Random, filler: bytes, n_needles: int = 3) -> bytes:
+class Doc:
+    """A training document and, for every byte, the earlier position it repeats (-1: none).
+
+    The source map is what the trainer's attention supervision reads: a byte t that repeats the
+    byte at src[t] should be followed by what followed src[t] (induction)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.src: list[int] = []
+
+    def add(self, b: bytes, src: int = -1) -> int:
+        """Append b (a repeat of the bytes at src.. when src >= 0); returns where it starts."""
+        at = len(self.data)
+        self.data += b
+        self.src += [src + i if src >= 0 else -1 for i in range(len(b))]
+        return at
+
+    def fit(self, n: int, pad: bytes = b"\n") -> tuple[bytes, list[int]]:
+        """(bytes, src) cut or padded to n; a source past the cut is dropped."""
+        data = (bytes(self.data) + pad * n)[:n]
+        src = (self.src + [-1] * n)[:n]
+        return data, [s if 0 <= s < i and data[s] == data[i] else -1 for i, s in enumerate(src)]
+
+
+def needle_training_doc(
+    rng: random.Random, filler: bytes, n_needles: int = 3
+) -> tuple[bytes, list[int]]:
     """A training document: needles in filler, then every needle asked and answered (random
-    order)."""
+    order), len(filler) bytes in all. The answers repeat their needle from the key on (the shared "[key " prefix is not a
+    repeat of any one needle)."""
     needles = make_needles(rng, n_needles)
     asked = needles[:]
     rng.shuffle(asked)
-    tail = b"".join(b"\n" + nd.line for nd in asked) + b"\n"
-    body = needle_prompt(rng, filler[: max(0, len(filler) - len(tail))], needles, (0.0, 0.95))
-    return body + tail
+    # the needles and the answers fit in len(filler): the answers must not be cut off
+    extra = sum(len(nd.line) + 2 for nd in needles) + sum(len(nd.line) + 1 for nd in asked) + 1
+    body = filler[: max(0, len(filler) - extra)]
+    cuts = sorted(_cut_at_line(body, int(len(body) * rng.uniform(0.0, 0.95))) for _ in needles)
+    doc, at, prev = Doc(), {}, 0
+    for c, nd in zip(cuts, needles):
+        doc.add(body[prev:c] + b"\n")
+        at[nd.key] = doc.add(nd.line)
+        doc.add(b"\n")
+        prev = c
+    doc.add(body[prev:])
+    skip = len(b"[key ")
+    for nd in asked:
+        doc.add(b"\n" + nd.line[:skip])
+        doc.add(nd.line[skip:], at[nd.key] + skip)
+    doc.add(b"\n")
+    return bytes(doc.data), doc.src
 
 
-def copy_training_doc(rng: random.Random, text: bytes, n_copies: int) -> bytes:
+def copy_training_doc(rng: random.Random, text: bytes, n_copies: int) -> tuple[bytes, list[int]]:
     """text with n_copies spans of it repeated later in it (24..160 bytes each): the cheapest
     data that teaches a small model to copy (induction), which needle retrieval is made of."""
     out = bytearray(text)
+    src = [-1] * len(out)
     n = len(out)
     for _ in range(n_copies):
         size = rng.randint(24, min(160, n // 4))
-        src = rng.randrange(0, n // 2 - size)
-        dst = rng.randrange(src + size + 8, n - size)
-        out[dst : dst + size] = out[src : src + size]
-    return bytes(out)
+        a = rng.randrange(0, n // 2 - size)
+        dst = rng.randrange(a + size + 8, n - size)
+        out[dst : dst + size] = out[a : a + size]
+        src[dst : dst + size] = range(a, a + size)
+    return bytes(out), src
 
 
-def repeat_training_doc(rng: random.Random, code: bytes, n: int) -> bytes:
+def repeat_training_doc(rng: random.Random, code: bytes, n: int) -> tuple[bytes, list[int]]:
     """Random strings (8..48 chars) each said 2..4 times with a little code between: nothing but
     copying predicts their repeats, so this is where a small model learns to copy."""
     chars = VALUE_CHARS + "ABCDEFGHJKLMNPQRSTUVWXYZ_-"
-    parts, size = [], 0
-    while size < n:
+    doc = Doc()
+    while len(doc.data) < n:
         s = "".join(rng.choice(chars) for _ in range(rng.randint(8, 48))).encode()
+        first = -1
         for _ in range(rng.randint(2, 4)):
+            at = doc.add(s, first)
+            first = at if first < 0 else first
             a = rng.randrange(0, max(1, len(code) - 64))
-            parts += [s, b" ", code[a : a + rng.randint(0, 64)], b"\n"]
-            size += len(s) + 66
-    return b"".join(parts)[:n]
+            doc.add(b" " + code[a : a + rng.randint(0, 64)] + b"\n")
+    return bytes(doc.data), doc.src
