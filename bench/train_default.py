@@ -19,10 +19,12 @@ trained with transformers' GlmMoeDsaForCausalLM plus an MTP block built from its
   (a full-indexer layer, so its selection can find the byte) is told to read the byte after the
   earlier occurrence of the current context on rows of repeats, whose source the synthetic
   documents know; its output must name that byte through its own o_proj columns and lm_head; the
-  LM loss on those rows counts twice. All of it is a loss: the exported model is the plain
-  architecture, and the indexer learns the induction head's attention through its KL like the rest.
-Data: corpus.py (stdlib windows, needle, copy and repeat documents with their source maps). Deterministic per step (the batch of step
-s depends only on the seed and s), so a resumed run sees the data it would have seen.
+  LM loss on those rows counts twice; the indexer of that layer is told to rank that key first
+  (its KL alone never selected it). All of it is a loss: the exported model is the plain
+  architecture.
+Data: corpus.py (stdlib windows, needle, copy and repeat documents with their source maps).
+Deterministic per step (the batch of step s depends only on the seed and s), so a resumed run sees
+the data it would have seen.
 Checkpoints every --save-every steps to <out>/state.pt; rerunning the command resumes.
 One torch thread by default: on this machine's 2 cores, shared with other jobs, two threads made a
 step about 7x slower (oversubscribed OpenMP), one thread ~1.5 s for 2,048 tokens of phase one.
@@ -107,8 +109,10 @@ BIAS_RATE = 1e-3
 PHASES = [
     (900, 512, 4, False, "drill"),  # copying first: the supervised heads form on repeats
     (1500, 512, 4, False, "base"),
-    (1800, 1024, 2, True, "long"),  # sparse selection on: the indexer must find the repeat
-    (1950, 2048, 1, True, "long"),
+    (1700, 512, 4, False, "base"),  # (the shipped run: the indexer's induction loss starts here)
+    (1900, 1024, 2, True, "long"),  # sparse selection on: the indexer must find the repeat
+    (2000, 2048, 1, True, "long"),
+    (2030, 4096, 1, True, "long"),  # a few steps beyond 2K: needles are asked at 3K+
 ]
 # data mixes: fractions of needle documents, copy documents (spans of code repeated), repeat
 # documents (random strings repeated: only copying predicts them); the rest plain code
@@ -236,6 +240,7 @@ def _indexer_forward(
     rows = rows.sort(-1).values
     sel_rows = sel.gather(1, rows[..., None].expand(-1, -1, topk)) if self.sparse else None
     self.last = (rows, scores_of(rows), sel_rows)
+    self.scores_of = scores_of  # attention_supervision scores the induction rows with it
     return sel.to(torch.int32)
 
 
@@ -330,7 +335,27 @@ class Trainer:
             out["lm_copy"] = F.cross_entropy(self.logits[want], nxt[want])
         else:
             out["ind"] = out["copy"] = out["lm_copy"] = ind.sum() * 0.0
+        out["index"] = self._index_induction(want, induction)
         return out
+
+    def _index_induction(self, want: torch.Tensor, induction: torch.Tensor) -> torch.Tensor:
+        """-log softmax of INDUCTION_LAYER's indexer scores at the induction key, on up to
+        KL_ROWS rows of repeats per sequence: the KL alone (a small share of 8 heads' mass, and
+        only over the selected keys once sparse) never taught it to select that key."""
+        indexer = self._layer(INDUCTION_LAYER).self_attn.indexer
+        B = want.shape[0]
+        rows = torch.zeros(B, KL_ROWS, dtype=torch.long)
+        keys = torch.zeros(B, KL_ROWS, dtype=torch.long)
+        used = torch.zeros(B, KL_ROWS, dtype=torch.bool)
+        for b in range(B):
+            t = want[b].nonzero().squeeze(1)
+            if len(t) > KL_ROWS:
+                t = t[torch.randperm(len(t), generator=self.rows_gen)[:KL_ROWS]].sort().values
+            rows[b, : len(t)], keys[b, : len(t)], used[b, : len(t)] = t, induction[b, t], True
+        if not used.any():
+            return torch.zeros(())
+        logp = torch.log_softmax(indexer.scores_of(rows), dim=-1)  # [B, R, S]
+        return -logp.gather(-1, keys[..., None]).squeeze(-1)[used].mean()
 
     def _count(self, i):
         def hook(mod, args, out):
