@@ -15,7 +15,7 @@ from dist_glm5.checkpoint.default_model.corpus import frozen_heldout
 # Recorded by `dist-glm5 bench train-default --export` (bench/train_default.py: heldout_loss, run
 # by transformers in fp32 on the exported bf16 weights) when the shipped weights were written;
 # also in trained/train_report.json. Slice: heldout.json texts 0 and 1, first 1024 bytes each.
-RECORDED_HELDOUT_LOSS = 1.7136149406433105  # nats per byte
+RECORDED_HELDOUT_LOSS = 1.6666673421859741  # nats per byte
 
 pytestmark = pytest.mark.skipif(
     not (TRAINED_DIR / "model.safetensors").exists(), reason="no trained weights in this tree"
@@ -51,7 +51,10 @@ def test_same_logits_as_transformers(ours, tmp_path):
     ref = transformers.GlmMoeDsaForCausalLM.from_pretrained(
         hf_copy(TRAINED_DIR, tmp_path), dtype=torch.float32
     ).eval()
-    ids = _slice()[0][:400]  # > index_topk (64): the DSA selection is active in both
+    # 230 > index_topk (64): the DSA selection is active in both. Not 400: at row 237 layer 2's
+    # indexer scores 60 keys exactly 0 (relu) across the top-64 boundary, and the two runtimes
+    # keep different keys of that tie (both valid top-64 sets), so logits part there.
+    ids = _slice()[0][:230]
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
         got = full_logits(ours, ids).float()

@@ -148,9 +148,10 @@ def test_needle_two_stage_sparse_answer_equals_the_reference_path(needle_answer)
 
 @pytest.mark.xfail(
     strict=True,
-    reason="the shipped model does not copy yet (bench quality: needles 0/3 at 4K on both "
-    "fillers, its loss on repeated spans no lower than on fresh text): retrieval did not form "
-    "in ~2M training tokens; a model that finds it must drop this mark",
+    reason="the shipped model copies, but does not look the key up beyond its training lengths "
+    "(bench quality at 4K: 0/3, one needle's value returned for every key, 'aq84fv' for "
+    "'a284fv'; the induction layer's indexer never learned to select the key's repeat); a model "
+    "that finds it must drop this mark",
 )
 def test_needle_found_through_two_stages_with_sparse_dsa(needle_answer):
     got, value, _ = needle_answer
