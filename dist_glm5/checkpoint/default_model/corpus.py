@@ -188,8 +188,8 @@ def needle_training_doc(
     rng: random.Random, filler: bytes, n_needles: int = 3
 ) -> tuple[bytes, list[int]]:
     """A training document: needles in filler, then every needle asked and answered (random
-    order), len(filler) bytes in all. The answers repeat their needle from the key on (the shared "[key " prefix is not a
-    repeat of any one needle)."""
+    order), len(filler) bytes in all. The answers repeat their needle from the key on (the shared
+    "[key " prefix is not a repeat of any one needle)."""
     needles = make_needles(rng, n_needles)
     asked = needles[:]
     rng.shuffle(asked)
