@@ -29,7 +29,8 @@ Checkpoints every --save-every steps to <out>/state.pt; rerunning the command re
 One torch thread by default: on this machine's 2 cores, shared with other jobs, two threads made a
 step about 7x slower (oversubscribed OpenMP), one thread ~1.5 s for 2,048 tokens of phase one.
 
-Reproduce the shipped weights (about 80 min here):
+Reproduce the recipe of the shipped weights (about 75 min here; the shipped run was resumed
+with changed settings, trained/train_report.json "history"):
     dist-glm5 bench train-default --out RUN --export dist_glm5/checkpoint/default_model/trained
 """
 
