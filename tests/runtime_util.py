@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from dist_glm5.checkpoint.tokenizer import load_tokenizer
@@ -10,6 +12,22 @@ from dist_glm5.stages.coordinator import Coordinator
 from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, StageSpec
 from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
 from dist_glm5.stages.scheduler import SchedulerConfig
+
+
+@contextlib.contextmanager
+def ray_nodes(nodes: int = 2, cpus_per_node: int = 4):
+    """A local Ray cluster of `nodes` nodes, this process connected to it; torn down on exit."""
+    import ray
+
+    from dist_glm5.stages.ray_pipeline import local_cluster
+
+    c = local_cluster(nodes, cpus_per_node=cpus_per_node)
+    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
 
 
 def prompts(lengths, seed=0, vocab=256):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runtime_util import ray_nodes
 
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa_config import DSAConfig
@@ -58,17 +59,10 @@ def _two_stages(model_dir, context: int) -> tuple[list[int], dict[int, float]]:
 
 
 def test_long_prompt_two_stages_equals_one_process_within_planned_memory(default_model_dir):
-    from dist_glm5.stages.ray_pipeline import local_cluster
-
     cfg = ModelConfig.from_hf(default_model_dir)
-    cluster = local_cluster(2, cpus_per_node=2)
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    try:
+    with ray_nodes(2, cpus_per_node=2):
         tokens, long_rss = _two_stages(default_model_dir, LONG)
         _, short_rss = _two_stages(default_model_dir, SHORT)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
     # the same prompt in one process, one worker owning every layer
     engine = _engine(default_model_dir, LONG, 1)

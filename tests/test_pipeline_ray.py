@@ -10,7 +10,7 @@ import re
 import signal
 
 import pytest
-from runtime_util import prompts
+from runtime_util import prompts, ray_nodes
 
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa_config import DSAConfig
@@ -28,13 +28,8 @@ ARRIVALS = [0, 1, 3, 6]
 
 @pytest.fixture(scope="module")
 def cluster():
-    from dist_glm5.stages.ray_pipeline import local_cluster
-
-    c = local_cluster(2, cpus_per_node=4)
-    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with ray_nodes(2, cpus_per_node=4) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import json
 
 import jsonschema
 import pytest
-from runtime_util import prompts
+from runtime_util import prompts, ray_nodes
 from test_grammar import SCHEMAS as GRAMMAR_SCHEMAS
 
 from dist_glm5.model.config import ModelConfig
@@ -42,13 +42,8 @@ PROMPTS = prompts([3 + i % 7 for i in range(len(SCHEMAS))], seed=11)
 
 @pytest.fixture(scope="module")
 def cluster():
-    from dist_glm5.stages.ray_pipeline import local_cluster
-
-    c = local_cluster(2, cpus_per_node=4)
-    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with ray_nodes(2, cpus_per_node=4) as c:
+        yield c
 
 
 ROWS = [(i, greedy) for i in range(len(SCHEMAS)) for greedy in (True, False)]

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from runtime_util import ray_nodes
 
 from dist_glm5.checkpoint.default_model import TRAINED_DIR
 from dist_glm5.checkpoint.default_model.corpus import frozen_heldout, make_needles, needle_prompt
@@ -28,13 +29,8 @@ SPARSE = DSAConfig(mode="sparse", dense_threshold=0)  # selection on at every co
 
 @pytest.fixture(scope="module")
 def cluster():
-    from dist_glm5.stages.ray_pipeline import local_cluster
-
-    c = local_cluster(2, cpus_per_node=2)
-    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with ray_nodes(2, cpus_per_node=2) as c:
+        yield c
 
 
 def serve(mtp: bool, dsa: DSAConfig, blocks: int = 64) -> Coordinator:
