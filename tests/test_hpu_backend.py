@@ -125,8 +125,8 @@ def test_warmup_runs_each_bucket_once_under_compile_only(fake_hf, tmp_path, capl
     assert warmup.read_timeout_locked(timer) == 600
     assert warmup.read_timeout_locked(tmp_path / "absent") is None
     ran = []
-    # a fake clock that advances one STEP per reading: nothing here measures real time; the test
-    # checks that warm-up reports each bucket's clock difference and judges it against the timer
+    # a fake clock that advances one step per reading: nothing here measures real time; the test
+    # checks that warm-up reports every bucket and judges each one's time against the timer
     step = 100
     ticks = iter(range(0, 10_000, step))
     with caplog.at_level(logging.INFO, logger=warmup.__name__):
@@ -134,7 +134,10 @@ def test_warmup_runs_each_bucket_once_under_compile_only(fake_hf, tmp_path, capl
             [(1, 8), (2, 8)], ran.append, timeout_s=150, clock=lambda: next(ticks)
         )
     assert ran == [(1, 8), (2, 8)]
-    assert [t.seconds for t in times] == [step, step]  # one fake step between two readings
+    assert [t.bucket for t in times] == [(1, 8), (2, 8)]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2 and all("over 50% of timeout_locked=150" in w for w in warned)
+    warmup.check_timer(times, 10 * step)  # under half of a longer timer: accepted
     names = [r[0] for r in fake_hf.RECORD]
     one = ["bridge_config.env_setting.enter", "bridge_config.env_setting.exit",
            "core.mark_step", "hpu.synchronize"]  # fmt: skip
