@@ -8,6 +8,9 @@
 - lazy mode: a mark_step after every decoder layer (runtime.add_layer_mark_steps) and after the
   MTP layer. The model is not captured as HPU graphs: a step's Python control flow (per-sequence
   groups, capped chunks) still depends on the plan, which a replayed graph would ignore;
+- pads each sequence's context (its key count) to a context bucket of whole blocks
+  (buckets `decode_ctx`), masked by causality (`pad_context`); the cache is zeroed once, so the
+  masked slots are finite;
 - pads each step's token count (the layers' and the MTP layer's) to a bucket
   (buckets.BucketConfig.step_tokens): the padding is one chunk of a scratch sequence at positions
   0..P-1 in blocks of its own, past the scheduler's blocks. It writes its keys before it attends
@@ -18,10 +21,6 @@
   run once when the stage starts;
 - optionally runs each step under the dispatch guard (`DIST_GLM5_HPU_GUARD=<dir>`: one JSON line
   per step to <dir>/guard-s<stage>-r<rank>.jsonl). A diagnostic: it reads values, so it syncs.
-
-- pads each sequence's context (its key count) to a context bucket of whole blocks
-  (buckets `decode_ctx`), masked by causality (`pad_context`); the cache is zeroed once, so the
-  masked slots are finite.
 
 Not yet static: a step's number of attention groups and of capped chunks still follows the plan
 (one graph per combination on the card, all from bucketed shapes); warm-up runs one chunk per
@@ -49,6 +48,11 @@ log = logging.getLogger(__name__)
 GUARD_ENV = "DIST_GLM5_HPU_GUARD"
 PAD_SEQ = -1  # the scratch sequence's id: the scheduler's ids are >= 0
 WARM_SEQ = -2  # the warm-up's sequence, over the scheduler's blocks before the first plan
+
+
+def _storage(cache: PagedKVCache) -> list[torch.Tensor]:
+    """Every tensor the cache keeps keys in (latent KV and indexer keys, per layer)."""
+    return [*cache.kv.values(), *cache.index_k.values()]
 
 
 class HpuStage:
@@ -105,7 +109,7 @@ class HpuStage:
                              dtype=dtype, allocate=False, device=self.device)  # fmt: skip
         cache.assign(PAD_SEQ, list(range(self.blocks, self.blocks + self.scratch)))
         # zeros, not empty: a padded context reads slots no token wrote (masked, but 0 x NaN is NaN)
-        for t in [*cache.kv.values(), *cache.index_k.values()]:
+        for t in _storage(cache):
             t.zero_()
         return cache
 
@@ -172,7 +176,7 @@ class HpuStage:
         if self.guard_file is None:
             return fn(*args)
         cache = args[-1]
-        guard = StepGuard(self.gather_cap, [*cache.kv.values(), *cache.index_k.values()])
+        guard = StepGuard(self.gather_cap, _storage(cache))
         with guard:
             out = fn(*args)
         self.guard_file.parent.mkdir(parents=True, exist_ok=True)
@@ -218,7 +222,7 @@ class HpuStage:
             times = warmup.warmup(buckets, run)
         finally:
             cache.release(WARM_SEQ)
-            for t in [*cache.kv.values(), *cache.index_k.values()]:
+            for t in _storage(cache):
                 t.zero_()
         log.info("%s: warm-up of %d (tokens, context blocks) buckets in %.1f s", self.name,
                  len(times), sum(t.seconds for t in times))  # fmt: skip
