@@ -323,14 +323,13 @@ class Trainer:
         # what head 0 writes must name the byte it reads, in the unembedding's terms: its own
         # o_proj columns, the final norm and lm_head (the value path otherwise stays mute)
         att = self._layer(INDUCTION_LAYER).self_attn
-        v0 = self.values[INDUCTION_LAYER][..., : self.cfg.v_head_dim]
-        lo = self.model.lm_head(
-            self.model.model.norm(F.linear(v0, att.o_proj.weight[:, : v0.shape[-1]]))
-        )
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)
         if want.any():
+            v0 = self.values[INDUCTION_LAYER][want][:, : self.cfg.v_head_dim]  # repeats' rows only
+            w_o = att.o_proj.weight[:, : v0.shape[-1]]
+            lo = self.model.lm_head(self.model.model.norm(F.linear(v0, w_o)))
             out["ind"] = ind[want].mean()
-            out["copy"] = F.cross_entropy(lo[want], nxt[want])
+            out["copy"] = F.cross_entropy(lo, nxt[want])
             # the whole model on those rows, weighted up: head 0's byte is a small part of the
             # final residual, and the LM alone took hundreds of steps to start using it
             out["lm_copy"] = F.cross_entropy(self.logits[want], nxt[want])
