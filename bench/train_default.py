@@ -22,6 +22,10 @@ trained with transformers' GlmMoeDsaForCausalLM plus an MTP block built from its
   LM loss on those rows counts twice; the indexer of that layer is told to rank that key first
   (its KL alone never selected it). All of it is a loss: the exported model is the plain
   architecture.
+- Sparse phases force each repeat row's induction key into that layer's selection (the indexer
+  misses it while it learns, and a model trained on those misses learns not to copy); a last
+  phase trains only the indexers on the final, frozen model (jointly trained, they trail the
+  features that move under them).
 Data: corpus.py (stdlib windows, needle, copy and repeat documents with their source maps).
 Deterministic per step (the batch of step s depends only on the seed and s), so a resumed run sees
 the data it would have seen.
@@ -44,6 +48,7 @@ import math
 import random
 import time
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -100,21 +105,40 @@ SUPERVISION = (
     "copy",
     "lm_copy",
 )  # attention_supervision's losses, weight 1
+LOSS_FROM = {"lm_copy": 0}  # the step a supervision loss starts at (0: from the start)
 # Attention supervision (see Trainer.attention_supervision): heads h of OFFSET_LAYER read the byte
 # OFFSETS[h] back; head 0 of INDUCTION_LAYER reads the byte after the earlier occurrence of the
 # current context. INDUCTION_LAYER has a full indexer (its selection must find that byte).
 OFFSET_LAYER, OFFSETS, INDUCTION_LAYER = 0, (1, 2, 3), 2
 INDUCTION_LR = 4.0  # x the base rate for the induction layer's attention (its slow bilinear start)
 BIAS_RATE = 1e-3
-# phases: (last step, sequence length, batch, sparse selection on, data mix)
+
+
+@dataclass(frozen=True)
+class Phase:
+    end: int  # last step (exclusive)
+    seq: int
+    batch: int
+    sparse: bool  # top-index_topk selection on
+    mix: str  # MIXES key
+    train: str = "all"  # "all": the model and its indexers; "indexers": the model frozen
+
+
 PHASES = [
-    (900, 512, 4, False, "drill"),  # copying first: the supervised heads form on repeats
-    (1500, 512, 4, False, "base"),
-    (1800, 512, 4, False, "base"),  # (the shipped run: the indexer's induction loss starts here)
-    (1950, 1024, 2, True, "long"),  # sparse selection on: the indexer must find the repeat
-    (2030, 2048, 1, True, "long"),
-    (2050, 4096, 1, True, "long"),  # a few steps beyond 2K: needles are asked at 3K+
+    Phase(900, 512, 4, False, "drill"),  # copying first: the supervised heads form on repeats
+    Phase(1800, 512, 4, False, "base"),
+    # sparse selection on; the induction key is forced into its rows' selection (see
+    # _indexer_forward) so the model learns to copy at these lengths while its indexer learns
+    # to find that key
+    Phase(1950, 1024, 2, True, "long"),
+    Phase(2030, 2048, 1, True, "long"),
+    Phase(2050, 4096, 1, True, "long"),  # a few steps beyond 2K: needles are asked at 3K+
+    # the indexers alone on the final model (DeepSeek-V3.2's warm-up also trains only the
+    # indexer): trained jointly, they trail features that move under them and lose the key
+    Phase(2110, 2048, 2, True, "long", "indexers"),
 ]
+INDEXER_LR = 3e-3  # the indexers' constant rate in the "indexers" phase (and layer 2's always)
+
 # data mixes: fractions of needle documents, copy documents (spans of code repeated), repeat
 # documents (random strings repeated: only copying predicts them); the rest plain code
 MIXES = {
@@ -232,6 +256,11 @@ def _indexer_forward(
     if self.sparse:
         with torch.no_grad():
             sel = scores_of(None).topk(topk, dim=-1).indices
+            force = getattr(self, "force", None)  # [B, S] a key each row must keep, -1: none
+            if force is not None:
+                # the lowest-ranked pick makes room for the key where the indexer missed it
+                missed = (force >= 0) & ~(sel == force[..., None]).any(-1)
+                sel[..., -1] = torch.where(missed, force, sel[..., -1])
     else:  # dense warm-up: every key (the causal mask does the rest), no scores of every row
         sel = torch.arange(S).expand(B, S, S)
     # The KL loss reads KL_ROWS query rows per sequence (later rows weighted up: more keys)
@@ -335,8 +364,13 @@ class Trainer:
             out["lm_copy"] = F.cross_entropy(self.logits[want], nxt[want])
         else:
             out["ind"] = out["copy"] = out["lm_copy"] = ind.sum() * 0.0
-        out["index"] = self._index_induction(want, induction) + self._index_local()
+        out["index"] = self.index_loss(induction)
         return out
+
+    def index_loss(self, induction: torch.Tensor) -> torch.Tensor:
+        """The indexers' supervision: the induction key first (INDUCTION_LAYER's), the
+        neighbours OFFSETS back first (every full indexer's)."""
+        return self._index_induction(induction >= 0, induction) + self._index_local()
 
     def _index_local(self) -> torch.Tensor:
         """-log softmax of every full indexer's scores at the keys OFFSETS back, on its KL rows:
@@ -383,6 +417,13 @@ class Trainer:
         for i in self.indexers:
             self._layer(i).self_attn.indexer.sparse = on
 
+    def freeze_model(self, on: bool) -> None:
+        """Train only the indexers (on) or everything (off)."""
+        ix = {id(p) for i in self.indexers for p in self._layer(i).self_attn.indexer.parameters()}
+        for m in (self.model, self.mtp, self.readout):
+            for p in m.parameters():
+                p.requires_grad_(not on or id(p) in ix)
+
     def _layer(self, i):
         n = self.cfg.num_hidden_layers
         return self.mtp.block if i == n else self.model.model.layers[i]
@@ -392,8 +433,8 @@ class Trainer:
         return [p for m in mods for p in m.parameters() if p.requires_grad]
 
     def param_groups(self) -> list[dict]:
-        """AdamW groups: decayed matrices, the rest, and the induction layer's attention at
-        INDUCTION_LR x the rate."""
+        """AdamW groups: decayed matrices, the rest, the induction layer's attention at
+        INDUCTION_LR x the rate, and that layer's indexer at INDEXER_LR ("const")."""
         att = self._layer(INDUCTION_LAYER).self_attn
         index = {id(p) for p in att.indexer.parameters()}
         fast = {id(p) for p in att.parameters()} - index
@@ -401,8 +442,8 @@ class Trainer:
         for p in self.parameters():
             groups[(p.dim() >= 2, 2 if id(p) in index else int(id(p) in fast))].append(p)
         # the induction layer's indexer learns only from its own losses (detached inputs), so it
-        # can take the fast rate without the cosine decay: it starts late and has a plateau too
-        mult = {0: 1.0, 1: INDUCTION_LR, 2: INDUCTION_LR}
+        # takes INDEXER_LR without the cosine decay: it has a plateau too (8e-3 diverged)
+        mult = {0: 1.0, 1: INDUCTION_LR, 2: 1.0}
         return [
             {"params": ps, "weight_decay": 0.1 if d else 0.0, "lr_mult": mult[f], "const": f == 2}
             for (d, f), ps in groups.items()
@@ -437,7 +478,12 @@ class Trainer:
             k += 1
         return k
 
-    def losses(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    def losses(
+        self, ids: torch.Tensor, force: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """LM, MTP and indexer KL losses; force [B, S]: the key each row's selection in
+        INDUCTION_LAYER must keep (its induction key, -1: none), or None."""
+        self._layer(INDUCTION_LAYER).self_attn.indexer.force = force
         m = self.model.model
         B, S = ids.shape
         pos = torch.arange(S).unsqueeze(0).expand(B, S)
@@ -549,11 +595,11 @@ def induction_targets(doc: bytes, src: list[int]) -> list[int]:
     return out
 
 
-def phase_of(step: int):
-    for end, seq, batch, sparse, mix in PHASES:
-        if step < end:
-            return seq, batch, sparse, mix
-    return PHASES[-1][1:]
+def phase_of(step: int) -> Phase:
+    for ph in PHASES:
+        if step < ph.end:
+            return ph
+    return PHASES[-1]
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int = 50) -> float:
@@ -566,7 +612,7 @@ def lr_at(step: int, steps: int, peak: float, warmup: int = 50) -> float:
 # ---- the run -----------------------------------------------------------------------------------
 def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="train-default", help="run directory (state, log, export)")
-    p.add_argument("--steps", type=int, default=PHASES[-1][0])
+    p.add_argument("--steps", type=int, default=PHASES[-1].end)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -598,31 +644,46 @@ def run(args) -> int:
         step = st["step"]
         log.info("resumed at step %d", step)
     logf = open(out / "train.log", "a")
+    # the cosine runs over the phases that train the model
+    model_steps = min(args.steps, max(ph.end for ph in PHASES if ph.train == "all"))
     bar = tqdm(total=args.steps, initial=step, desc="train", dynamic_ncols=True)
     t0 = time.time()
     while step < args.steps:
-        seq, batch, sparse, mix = phase_of(step)
+        ph = phase_of(step)
+        seq, sparse, indexers_only = ph.seq, ph.sparse, ph.train == "indexers"
         tr.set_sparse(sparse)
+        tr.freeze_model(indexers_only)
         for g in opt.param_groups:
-            g["lr"] = g["lr_mult"] * (args.lr if g["const"] else lr_at(step, args.steps, args.lr))
-        ids, induction = data.batch(step, seq, batch, mix)
+            const = g["const"] or indexers_only
+            g["lr"] = INDEXER_LR if const else g["lr_mult"] * lr_at(step, model_steps, args.lr)
+        ids, induction = data.batch(step, seq, ph.batch, ph.mix)
         tr.rows_gen.manual_seed(args.seed * 1_000_003 + step)
         tr.model.train()
-        ls = tr.losses(ids)
-        ls.update(tr.attention_supervision(ids, induction))
-        loss = ls["lm"] + MTP_WEIGHT * ls["mtp"] + ls["kl"] + sum(ls[k] for k in SUPERVISION)
+        ls = tr.losses(ids, induction if sparse and not indexers_only else None)
+        if indexers_only:  # the indexers' own losses: the model's are not trained here
+            ls["index"] = tr.index_loss(induction)
+            loss = ls["kl"] + ls["index"]
+        else:
+            ls.update(tr.attention_supervision(ids, induction))
+            loss = (
+                ls["lm"]
+                + MTP_WEIGHT * ls["mtp"]
+                + ls["kl"]
+                + sum(ls[k] for k in SUPERVISION if step >= LOSS_FROM.get(k, 0))
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(tr.parameters(), 1.0)
         opt.step()
-        tr.balance()
+        if not indexers_only:
+            tr.balance()
         step += 1
         rec = {k: round(v.item(), 4) for k, v in ls.items()}
         rec.update(step=step, seq=seq, sparse=sparse, gn=round(gn.item(), 3))
         rec["s"] = round(time.time() - t0, 1)
         logf.write(json.dumps(rec) + "\n")
         logf.flush()
-        bar.set_postfix(lm=rec["lm"], mtp=rec["mtp"], kl=rec["kl"], ind=rec["ind"], seq=seq)
+        bar.set_postfix(lm=rec["lm"], kl=rec["kl"], index=rec["index"], seq=seq)
         bar.update(1)
         if step % args.save_every == 0 or step == args.steps:
             tmp = state_path.with_suffix(".tmp")

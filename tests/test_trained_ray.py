@@ -142,13 +142,6 @@ def test_needle_two_stage_sparse_answer_equals_the_reference_path(needle_answer)
     assert got == ref
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the shipped model copies, but does not look the key up beyond its training lengths "
-    "(bench quality at 4K: 0/3, one needle's value returned for every key, 'aq84fv' for "
-    "'a284fv'; the induction layer's indexer never learned to select the key's repeat); a model "
-    "that finds it must drop this mark",
-)
 def test_needle_found_through_two_stages_with_sparse_dsa(needle_answer):
     got, value, _ = needle_answer
     assert got == value
