@@ -108,7 +108,6 @@ SUPERVISION = (
     "copy",
     "lm_copy",
 )  # attention_supervision's losses, weight 1
-LOSS_FROM = {"lm_copy": 0}  # the step a supervision loss starts at (0: from the start)
 # Attention supervision (see Trainer.attention_supervision): heads h of OFFSET_LAYER read the byte
 # OFFSETS[h] back; head 0 of INDUCTION_LAYER reads the byte after the earlier occurrence of the
 # current context. INDUCTION_LAYER has a full indexer (its selection must find that byte).
@@ -668,12 +667,7 @@ def run(args) -> int:
             loss = ls["kl"] + ls["index"]
         else:
             ls.update(tr.attention_supervision(ids, induction))
-            loss = (
-                ls["lm"]
-                + MTP_WEIGHT * ls["mtp"]
-                + ls["kl"]
-                + sum(ls[k] for k in SUPERVISION if step >= LOSS_FROM.get(k, 0))
-            )
+            loss = ls["lm"] + MTP_WEIGHT * ls["mtp"] + ls["kl"] + sum(ls[k] for k in SUPERVISION)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(tr.parameters(), 1.0)

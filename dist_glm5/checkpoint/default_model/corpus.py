@@ -177,12 +177,6 @@ class Doc:
         self.src += [src + i if src >= 0 else -1 for i in range(len(b))]
         return at
 
-    def fit(self, n: int, pad: bytes = b"\n") -> tuple[bytes, list[int]]:
-        """(bytes, src) cut or padded to n; a source past the cut is dropped."""
-        data = (bytes(self.data) + pad * n)[:n]
-        src = (self.src + [-1] * n)[:n]
-        return data, [s if 0 <= s < i and data[s] == data[i] else -1 for i, s in enumerate(src)]
-
 
 def needle_training_doc(
     rng: random.Random, filler: bytes, n_needles: int = 3
