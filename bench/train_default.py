@@ -22,8 +22,9 @@ trained with transformers' GlmMoeDsaForCausalLM plus an MTP block built from its
   LM loss on those rows counts twice; the indexer of that layer is told to rank that key first
   (its KL alone never selected it). All of it is a loss: the exported model is the plain
   architecture.
-- Sparse phases force each repeat row's induction key into that layer's selection (the indexer
-  misses it while it learns, and a model trained on those misses learns not to copy); a last
+- Sparse joint steps force the keys the heads are told to read into the full indexers'
+  selection: every row's neighbours OFFSETS back, and on repeats the induction key (an indexer
+  misses them while it learns, and a model trained on those misses learns not to copy); a last
   phase trains only the indexers on the final, frozen model (jointly trained, they trail the
   features that move under them).
 Data: corpus.py (stdlib windows, needle, copy and repeat documents with their source maps).
@@ -107,6 +108,7 @@ SUPERVISION = (
     "ind",
     "copy",
     "lm_copy",
+    "index",  # reaches only the indexers (their inputs are detached)
 )  # attention_supervision's losses, weight 1
 # Attention supervision (see Trainer.attention_supervision): heads h of OFFSET_LAYER read the byte
 # OFFSETS[h] back; head 0 of INDUCTION_LAYER reads the byte after the earlier occurrence of the
@@ -216,6 +218,20 @@ def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t.gather(1, rows[..., None].expand(-1, -1, t.shape[-1]))
 
 
+def forced_keys(induction: torch.Tensor, with_induction: bool) -> torch.Tensor:
+    """[B, S, F] keys a row's selection keeps in sparse joint steps, -1: none: the neighbours
+    OFFSETS back (every full indexer's; a fresh run whose layer 0 lost them at the switch to
+    sparse selection never recovered its offset heads), and the row's induction key (-1 off
+    repeats) where with_induction. The model then learns from the keys its heads are told to
+    read while the indexers learn to find them; at inference the indexer alone selects."""
+    B, S = induction.shape
+    t = torch.arange(S)
+    keys = [(t - k).where(t >= k, -1).expand(B, S) for k in OFFSETS]
+    if with_induction:
+        keys.append(induction)
+    return torch.stack(keys, -1)
+
+
 def _indexer_forward(
     self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None
 ):
@@ -257,12 +273,14 @@ def _indexer_forward(
     topk = min(self.index_topk if self.sparse else S, S)
     if self.sparse:
         with torch.no_grad():
-            sel = scores_of(None).topk(topk, dim=-1).indices
-            force = getattr(self, "force", None)  # [B, S] a key each row must keep, -1: none
+            sc = scores_of(None)  # [B, S, S]
+            force = getattr(self, "force", None)  # [B, S, F] keys each row must keep, -1: none
             if force is not None:
-                # the lowest-ranked pick makes room for the key where the indexer missed it
-                missed = (force >= 0) & ~(sel == force[..., None]).any(-1)
-                sel[..., -1] = torch.where(missed, force, sel[..., -1])
+                # a forced key outranks every pick: the lowest-ranked picks make room for the
+                # forced keys the indexer missed
+                lift = torch.where(force >= 0, float("inf"), float("-inf"))
+                sc.scatter_reduce_(-1, force.clamp_min(0), lift, reduce="amax")
+            sel = sc.topk(topk, dim=-1).indices
     else:  # dense warm-up: every key (the causal mask does the rest), no scores of every row
         sel = torch.arange(S).expand(B, S, S)
     # The KL loss reads KL_ROWS query rows per sequence (later rows weighted up: more keys)
@@ -421,7 +439,7 @@ class Trainer:
 
     def freeze_model(self, on: bool) -> None:
         """Train only the indexers (on) or everything (off)."""
-        ix = {id(p) for i in self.indexers for p in self._layer(i).self_attn.indexer.parameters()}
+        ix = {id(p) for p in self.indexer_parameters()}
         for m in (self.model, self.mtp, self.readout):
             for p in m.parameters():
                 p.requires_grad_(not on or id(p) in ix)
@@ -429,6 +447,9 @@ class Trainer:
     def _layer(self, i):
         n = self.cfg.num_hidden_layers
         return self.mtp.block if i == n else self.model.model.layers[i]
+
+    def indexer_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for i in self.indexers for p in self._layer(i).self_attn.indexer.parameters()]
 
     def parameters(self):
         mods = (self.model, self.mtp, self.readout)
@@ -481,13 +502,16 @@ class Trainer:
         return k
 
     def losses(
-        self, ids: torch.Tensor, force: torch.Tensor | None = None
+        self, ids: torch.Tensor, induction: torch.Tensor | None = None
     ) -> dict[str, torch.Tensor]:
-        """LM, MTP and indexer KL losses; force [B, S]: the key each row's selection in
-        INDUCTION_LAYER must keep (its induction key, -1: none), or None."""
-        self._layer(INDUCTION_LAYER).self_attn.indexer.force = force
-        m = self.model.model
+        """LM, MTP and indexer KL losses. With induction [B, S] (sparse joint steps) every full
+        indexer's selection keeps the keys its supervision names (forced_keys)."""
         B, S = ids.shape
+        for i in self.indexers:  # not the MTP layer's (S - 1 rows, no supervised heads)
+            main = i < self.cfg.num_hidden_layers and induction is not None
+            force = forced_keys(induction, i == INDUCTION_LAYER) if main else None
+            self._layer(i).self_attn.indexer.force = force
+        m = self.model.model
         pos = torch.arange(S).unsqueeze(0).expand(B, S)
         out = m(input_ids=ids, position_ids=pos)
         h = out.last_hidden_state
@@ -670,13 +694,19 @@ def run(args) -> int:
             loss = ls["lm"] + MTP_WEIGHT * ls["mtp"] + ls["kl"] + sum(ls[k] for k in SUPERVISION)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(tr.parameters(), 1.0)
+        # the indexers are separate learners (detached inputs): their own clip, so their
+        # supervision does not shrink the model's step
+        ix = {id(p) for p in tr.indexer_parameters()}
+        gn = torch.nn.utils.clip_grad_norm_([p for p in tr.parameters() if id(p) not in ix], 1.0)
+        gi = torch.nn.utils.clip_grad_norm_([p for p in tr.parameters() if id(p) in ix], 1.0)
         opt.step()
         if not indexers_only:
             tr.balance()
         step += 1
         rec = {k: round(v.item(), 4) for k, v in ls.items()}
-        rec.update(step=step, seq=seq, sparse=sparse, gn=round(gn.item(), 3))
+        rec.update(
+            step=step, seq=seq, sparse=sparse, gn=round(gn.item(), 3), gi=round(gi.item(), 3)
+        )
         rec["s"] = round(time.time() - t0, 1)
         logf.write(json.dumps(rec) + "\n")
         logf.flush()

@@ -1,6 +1,6 @@
-"""The trainer of the default model (bench/train_default.py) on a tiny config: the sparse steps keep
-each repeat row's induction key in its selection, and the indexers-only phase trains the indexers
-and nothing else."""
+"""The trainer of the default model (bench/train_default.py) on a tiny config: sparse joint steps
+keep the keys the supervision names (neighbours, induction key) in their rows' selection, the
+indexers' supervision trains only the indexers, and the indexers-only phase trains nothing else."""
 
 from __future__ import annotations
 
@@ -44,29 +44,60 @@ def _ids_and_force():
 
 def _selections(tr):
     sel = {}
-    ix = tr._layer(td.INDUCTION_LAYER).self_attn.indexer
-    ix.register_forward_hook(lambda m, a, out: sel.__setitem__("sel", out))
+    for i in tr.indexers:
+        ix = tr._layer(i).self_attn.indexer
+        ix.register_forward_hook(lambda m, a, out, i=i: sel.__setitem__(i, out.clone()))
     return sel
 
 
-def test_sparse_steps_keep_the_forced_key_in_its_rows_selection():
+def test_sparse_joint_steps_keep_the_forced_keys_in_their_rows_selection():
     tr = _trainer()
     tr.set_sparse(True)
-    ids, force = _ids_and_force()
+    ids, induction = _ids_and_force()
     sel = _selections(tr)
     with torch.no_grad():
         tr.losses(ids)
-        free = sel["sel"].clone()
-        tr.losses(ids, force)
-        forced = sel["sel"]
-    rows = force >= 0
-    has = (forced == force[..., None]).any(-1)
-    assert has[rows].all(), "a forced key is missing from its row's selection"
-    # only the lowest-ranked pick of a row that missed the key changes
-    assert torch.equal(forced[..., :-1], free[..., :-1])
-    missed = rows & ~(free == force[..., None]).any(-1)
-    assert missed.any()
-    assert torch.equal(forced[..., -1][~missed], free[..., -1][~missed])
+        free = dict(sel)
+        tr.losses(ids, induction)
+        forced = dict(sel)
+        scores = {i: tr._layer(i).self_attn.indexer.scores_of(None) for i in tr.indexers}
+    k, changed = TINY["index_topk"], 0
+    for i in (td.OFFSET_LAYER, td.INDUCTION_LAYER):
+        for b in range(2):
+            for t in range(k, S):  # rows with more causal keys than picks
+                want = {t - o for o in td.OFFSETS}
+                if i == td.INDUCTION_LAYER and induction[b, t] >= 0:
+                    want.add(int(induction[b, t]))
+                got = set(forced[i][b, t].tolist())
+                assert want <= got, (i, b, t)
+                # written out: the other picks are the best-scored keys that remain (scores
+                # compared, not indices: relu scores tie)
+                sc = scores[i][b, t]
+                others = sorted(sc[x].item() for x in got - want)
+                rest = sc.clone()
+                rest[list(want)] = float("-inf")
+                assert others == sorted(rest.topk(k - len(want)).values.tolist()), (i, b, t)
+                changed += got != set(free[i][b, t].tolist())
+    assert changed, "no row had missed a forced key: the test forces nothing"
+    # without induction targets (dense steps, indexers-only phase, inference) nothing is forced
+    with torch.no_grad():
+        tr.losses(ids)
+    assert all(torch.equal(sel[i], free[i]) for i in tr.indexers)
+
+
+def test_index_supervision_reaches_only_the_indexers():
+    """The joint loss adds the indexers' supervision: their detached inputs keep it off the
+    model."""
+    assert "index" in td.SUPERVISION
+    tr = _trainer()
+    tr.set_sparse(True)
+    ids, induction = _ids_and_force()
+    tr.losses(ids, induction)
+    tr.attention_supervision(ids, induction)["index"].backward()
+    ix = {id(p) for p in tr.indexer_parameters()}
+    named = [(n, p) for m in (tr.model, tr.mtp, tr.readout) for n, p in m.named_parameters()]
+    assert all(p.grad is None or not p.grad.any() for n, p in named if id(p) not in ix)
+    assert any(p.grad is not None and p.grad.any() for n, p in named if id(p) in ix)
 
 
 def test_indexers_phase_trains_only_the_indexers():
@@ -76,7 +107,7 @@ def test_indexers_phase_trains_only_the_indexers():
     tr.freeze_model(True)
     ls = tr.losses(ids)
     (ls["kl"] + tr.index_loss(force)).backward()
-    ix = {id(p) for i in tr.indexers for p in tr._layer(i).self_attn.indexer.parameters()}
+    ix = {id(p) for p in tr.indexer_parameters()}
     named = [(n, p) for m in (tr.model, tr.mtp, tr.readout) for n, p in m.named_parameters()]
     assert all(p.grad is None for n, p in named if id(p) not in ix)
     assert all(p.grad is not None for n, p in named if id(p) in ix), "an indexer got no gradient"
