@@ -27,6 +27,10 @@ trained with transformers' GlmMoeDsaForCausalLM plus an MTP block built from its
   misses them while it learns, and a model trained on those misses learns not to copy); a last
   phase trains only the indexers on the final, frozen model (jointly trained, they trail the
   features that move under them).
+- The dense phases run every 8th step as one row of 2,048 bytes (the same tokens): RoPE scores at
+  distances never trained are unconstrained, and a run trained only at 512 lost layer 0's
+  neighbours on every row past 512 once it saw 1,024 (measured on its step-1800 weights, dense or
+  sparse alike: -log attention on the previous byte 0.0 before row 512, 7.8 after).
 Data: corpus.py (stdlib windows, needle, copy and repeat documents with their source maps).
 Deterministic per step (the batch of step s depends only on the seed and s), so a resumed run sees
 the data it would have seen.
@@ -126,11 +130,23 @@ class Phase:
     sparse: bool  # top-index_topk selection on
     mix: str  # MIXES key
     train: str = "all"  # "all": the model and its indexers; "indexers": the model frozen
+    # every long_every-th step runs one row of LONG_SEQ instead (0: never), so the dense phases
+    # see the distances the sparse phases ask for while the rate is high: RoPE scores at
+    # distances never trained are unconstrained, and a run trained only at 512 lost layer 0's
+    # neighbours on every row past 512 once it saw 1024 (its late, low rate never recovered them)
+    long_every: int = 0
+
+    def shape(self, step: int) -> tuple[int, int]:
+        """(seq, batch) of this step."""
+        if self.long_every and step % self.long_every == self.long_every - 1:
+            return LONG_SEQ, 1
+        return self.seq, self.batch
 
 
+LONG_SEQ = 2048
 PHASES = [
-    Phase(900, 512, 4, False, "drill"),  # copying first: the supervised heads form on repeats
-    Phase(1800, 512, 4, False, "base"),
+    Phase(900, 512, 4, False, "drill", long_every=8),  # copying first: supervised heads form
+    Phase(1800, 512, 4, False, "base", long_every=8),
     # sparse selection on; the induction key is forced into its rows' selection (see
     # _indexer_forward) so the model learns to copy at these lengths while its indexer learns
     # to find that key
@@ -220,10 +236,9 @@ def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def forced_keys(induction: torch.Tensor, with_induction: bool) -> torch.Tensor:
     """[B, S, F] keys a row's selection keeps in sparse joint steps, -1: none: the neighbours
-    OFFSETS back (every full indexer's; a fresh run whose layer 0 lost them at the switch to
-    sparse selection never recovered its offset heads), and the row's induction key (-1 off
-    repeats) where with_induction. The model then learns from the keys its heads are told to
-    read while the indexers learn to find them; at inference the indexer alone selects."""
+    OFFSETS back (every full indexer's) and the row's induction key (-1 off repeats) where
+    with_induction. The model then learns from the keys its heads are told to read while the
+    indexers learn to find them; at inference the indexer alone selects."""
     B, S = induction.shape
     t = torch.arange(S)
     keys = [(t - k).where(t >= k, -1).expand(B, S) for k in OFFSETS]
@@ -676,13 +691,13 @@ def run(args) -> int:
     t0 = time.time()
     while step < args.steps:
         ph = phase_of(step)
-        seq, sparse, indexers_only = ph.seq, ph.sparse, ph.train == "indexers"
+        (seq, batch), sparse, indexers_only = ph.shape(step), ph.sparse, ph.train == "indexers"
         tr.set_sparse(sparse)
         tr.freeze_model(indexers_only)
         for g in opt.param_groups:
             const = g["const"] or indexers_only
             g["lr"] = INDEXER_LR if const else g["lr_mult"] * lr_at(step, model_steps, args.lr)
-        ids, induction = data.batch(step, seq, ph.batch, ph.mix)
+        ids, induction = data.batch(step, seq, batch, ph.mix)
         tr.rows_gen.manual_seed(args.seed * 1_000_003 + step)
         tr.model.train()
         ls = tr.losses(ids, induction if sparse and not indexers_only else None)
