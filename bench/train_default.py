@@ -38,12 +38,16 @@ Checkpoints every --save-every steps to <out>/state.pt; rerunning the command re
 One torch thread by default: on this machine's 2 cores, shared with other jobs, two threads made a
 step about 7x slower (oversubscribed OpenMP), one thread ~1.5 s for 2,048 tokens of phase one.
 
-Run the recipe (about 75 min here):
+Run the recipe (about 80 min here):
     dist-glm5 bench train-default --out RUN --export dist_glm5/checkpoint/default_model/trained
 The shipped weights come from a run resumed with changed settings (trained/train_report.json
-"history"). One fresh run of this recipe (73 min) lost layer 0's neighbours at the switch to
-sparse selection (its offset loss 0.0 -> 6.4 nats, still 2.7 at step 2023) and ended far weaker:
-held-out loss 2.30 nats/byte against the shipped 1.59, and spaces for every needle.
+"history"). Fresh runs of the recipe, not resumed:
+- before the long dense rows (73 min): layer 0 lost its neighbours past row 512 at step 1800,
+  held-out 2.30 nats/byte (shipped 1.59), spaces for every needle;
+- with them (81 min, 2 runs sharing the 2 cores until step 1800): no loss of the neighbours, LM
+  loss 1.44 over steps 1800-1950 (the shipped run 2.1), held-out 1.70 nats/byte; but the 4,096
+  steps (rows past 2,048, distances never trained) shook it (offset loss 3.0 nats), and the CI
+  needle at 3K comes back 4 bytes of 6 right ("j3deat" for "j3degz"), the 4K needles not at all.
 """
 
 from __future__ import annotations
