@@ -151,9 +151,9 @@ LONG_SEQ = 2048
 PHASES = [
     Phase(900, 512, 4, False, "drill", long_every=8),  # copying first: supervised heads form
     Phase(1800, 512, 4, False, "base", long_every=8),
-    # sparse selection on; the induction key is forced into its rows' selection (see
-    # _indexer_forward) so the model learns to copy at these lengths while its indexer learns
-    # to find that key
+    # sparse selection on; the keys the supervised heads read are forced into their rows'
+    # selection (forced_keys) so the model learns to copy at these lengths while the indexers
+    # learn to find those keys
     Phase(1950, 1024, 2, True, "long"),
     Phase(2030, 2048, 1, True, "long"),
     Phase(2050, 4096, 1, True, "long"),  # a few steps beyond 2K: needles are asked at 3K+
