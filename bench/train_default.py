@@ -134,10 +134,8 @@ class Phase:
     sparse: bool  # top-index_topk selection on
     mix: str  # MIXES key
     train: str = "all"  # "all": the model and its indexers; "indexers": the model frozen
-    # every long_every-th step runs one row of LONG_SEQ instead (0: never), so the dense phases
-    # see the distances the sparse phases ask for while the rate is high: RoPE scores at
-    # distances never trained are unconstrained, and a run trained only at 512 lost layer 0's
-    # neighbours on every row past 512 once it saw 1024 (its late, low rate never recovered them)
+    # every long_every-th step runs one row of LONG_SEQ instead (0: never): the dense phases
+    # see the distances the sparse phases ask for (see the module docstring)
     long_every: int = 0
 
     def shape(self, step: int) -> tuple[int, int]:
@@ -691,6 +689,11 @@ def run(args) -> int:
     logf = open(out / "train.log", "a")
     # the cosine runs over the phases that train the model
     model_steps = min(args.steps, max(ph.end for ph in PHASES if ph.train == "all"))
+    # the indexers are separate learners (detached inputs): their own clip, so their
+    # supervision does not shrink the model's step (frozen parameters have no grad: not clipped)
+    ix = {id(p) for p in tr.indexer_parameters()}
+    everything = [p for m in (tr.model, tr.mtp, tr.readout) for p in m.parameters()]
+    model_params = [p for p in everything if id(p) not in ix]
     bar = tqdm(total=args.steps, initial=step, desc="train", dynamic_ncols=True)
     t0 = time.time()
     while step < args.steps:
@@ -713,11 +716,8 @@ def run(args) -> int:
             loss = ls["lm"] + MTP_WEIGHT * ls["mtp"] + ls["kl"] + sum(ls[k] for k in SUPERVISION)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        # the indexers are separate learners (detached inputs): their own clip, so their
-        # supervision does not shrink the model's step
-        ix = {id(p) for p in tr.indexer_parameters()}
-        gn = torch.nn.utils.clip_grad_norm_([p for p in tr.parameters() if id(p) not in ix], 1.0)
-        gi = torch.nn.utils.clip_grad_norm_([p for p in tr.parameters() if id(p) in ix], 1.0)
+        gn = torch.nn.utils.clip_grad_norm_(model_params, 1.0)
+        gi = torch.nn.utils.clip_grad_norm_(tr.indexer_parameters(), 1.0)
         opt.step()
         if not indexers_only:
             tr.balance()
