@@ -77,7 +77,7 @@ def register(p: argparse.ArgumentParser) -> None:
     )
     train_default.register(
         sub.add_parser(
-            "train-default", help="train the shipped default model (resumable; ~75 min, 1 thread)"
+            "train-default", help="train the shipped default model (resumable; ~85 min, 1 thread)"
         )
     )
     quality.register(
