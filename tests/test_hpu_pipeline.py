@@ -163,7 +163,8 @@ def test_ray_workers_over_fake_hccl(mx_dir, want, monkeypatch, tmp_path, stages,
     the indexer rows' packed masks, native MoE calls on each rank's expert range). Ray actors
     inherit this environment (a fresh local cluster is started here): the fake on their path,
     its device, the guard's and the fake's log directories."""
-    ray = pytest.importorskip("ray")
+    import ray  # a core dependency: missing is a failure
+
     from dist_glm5.stages.ray_pipeline import RayPipeline
 
     if ray.is_initialized():

@@ -5,7 +5,6 @@ short run, per worker) stays within what the planner says the extra context cost
 
 from __future__ import annotations
 
-import pytest
 import torch
 from runtime_util import ray_nodes
 
@@ -19,7 +18,6 @@ from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout, St
 from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
 from dist_glm5.stages.scheduler import SchedulerConfig
 
-ray = pytest.importorskip("ray")
 LONG, SHORT = 32768, 8192
 CHUNK = 1024
 # A small gather cap: every capped workspace is full in both runs, so what differs is the context.

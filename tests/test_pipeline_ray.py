@@ -20,7 +20,6 @@ from dist_glm5.stages.coordinator import Coordinator
 from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout
 from dist_glm5.stages.scheduler import SchedulerConfig
 
-ray = pytest.importorskip("ray")
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 PROMPTS = prompts([5, 70, 150, 33], seed=1)
 ARRIVALS = [0, 1, 3, 6]

@@ -23,8 +23,6 @@ from dist_glm5.stages.coordinator import Coordinator
 from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout
 from dist_glm5.stages.scheduler import SchedulerConfig
 
-ray = pytest.importorskip("ray")
-
 
 def bounded(s):
     if isinstance(s, dict):

@@ -17,8 +17,9 @@ from dist_glm5.checkpoint.default_model.corpus import frozen_heldout
 # also in trained/train_report.json. Slice: heldout.json texts 0 and 1, first 1024 bytes each.
 RECORDED_HELDOUT_LOSS = 1.572750449180603  # nats per byte
 
-pytestmark = pytest.mark.skipif(
-    not (TRAINED_DIR / "model.safetensors").exists(), reason="no trained weights in this tree"
+# the weights ship in the package (pyproject package-data): missing is a failure, not a skip
+assert (TRAINED_DIR / "model.safetensors").exists(), (
+    f"no trained weights in {TRAINED_DIR}: the package data lost them (pyproject.toml)"
 )
 
 
