@@ -687,10 +687,11 @@ def run(args) -> int:
     # the cosine runs over the phases that train the model
     model_steps = min(args.steps, max(ph.end for ph in PHASES if ph.train == "all"))
     # the indexers are separate learners (detached inputs): their own clip, so their
-    # supervision does not shrink the model's step (frozen parameters have no grad: not clipped)
-    ix = {id(p) for p in tr.indexer_parameters()}
-    everything = [p for m in (tr.model, tr.mtp, tr.readout) for p in m.parameters()]
-    model_params = [p for p in everything if id(p) not in ix]
+    # supervision does not shrink the model's step (taken before any freeze_model, so every
+    # parameter; frozen ones later have no grad and are not clipped)
+    indexer_params = tr.indexer_parameters()
+    ix = {id(p) for p in indexer_params}
+    model_params = [p for p in tr.parameters() if id(p) not in ix]
     bar = tqdm(total=args.steps, initial=step, desc="train", dynamic_ncols=True)
     t0 = time.time()
     while step < args.steps:
@@ -714,7 +715,7 @@ def run(args) -> int:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model_params, 1.0)
-        gi = torch.nn.utils.clip_grad_norm_(tr.indexer_parameters(), 1.0)
+        gi = torch.nn.utils.clip_grad_norm_(indexer_params, 1.0)
         opt.step()
         if not indexers_only:
             tr.balance()

@@ -6,12 +6,21 @@ import contextlib
 
 import torch
 
+from dist_glm5.checkpoint.default_model import TRAINED_DIR
 from dist_glm5.checkpoint.tokenizer import load_tokenizer
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.stages.coordinator import Coordinator
 from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, StageSpec
 from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
 from dist_glm5.stages.scheduler import SchedulerConfig
+
+
+def require_trained_weights() -> None:
+    """The trained weights ship in the package (pyproject package-data): missing is a failure,
+    not a skip, so a package that lost them cannot pass."""
+    assert (TRAINED_DIR / "model.safetensors").exists(), (
+        f"no trained weights in {TRAINED_DIR}: the package data lost them (pyproject.toml)"
+    )
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from runtime_util import require_trained_weights
 
 from dist_glm5.checkpoint.default_model import TRAINED_DIR, ensure_default_model
 from dist_glm5.checkpoint.default_model.corpus import frozen_heldout
@@ -17,10 +18,7 @@ from dist_glm5.checkpoint.default_model.corpus import frozen_heldout
 # also in trained/train_report.json. Slice: heldout.json texts 0 and 1, first 1024 bytes each.
 RECORDED_HELDOUT_LOSS = 1.572750449180603  # nats per byte
 
-# the weights ship in the package (pyproject package-data): missing is a failure, not a skip
-assert (TRAINED_DIR / "model.safetensors").exists(), (
-    f"no trained weights in {TRAINED_DIR}: the package data lost them (pyproject.toml)"
-)
+require_trained_weights()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from runtime_util import ray_nodes
+from runtime_util import ray_nodes, require_trained_weights
 
 from dist_glm5.checkpoint.default_model import TRAINED_DIR
 from dist_glm5.checkpoint.default_model.corpus import frozen_heldout, make_needles, needle_prompt
@@ -20,10 +20,7 @@ from dist_glm5.stages.coordinator import Coordinator
 from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout
 from dist_glm5.stages.scheduler import SchedulerConfig
 
-# the weights ship in the package (pyproject package-data): missing is a failure, not a skip
-assert (TRAINED_DIR / "model.safetensors").exists(), (
-    f"no trained weights in {TRAINED_DIR}: the package data lost them (pyproject.toml)"
-)
+require_trained_weights()
 SPARSE = DSAConfig(mode="sparse", dense_threshold=0)  # selection on at every context length
 
 
