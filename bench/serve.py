@@ -148,7 +148,7 @@ def host_only_server(argv: list[str] | None = None) -> None:
     pipe = InProcessPipeline(StageSpec(engine), HostOnlyWorker)
     loop = EngineLoop(Coordinator(pipe, sched, cfg.eos_token_id, cfg.vocab_size, tok))
     settings = ServerSettings(port=0)
-    client = EngineClient(loop, max_waiters=settings.limit_concurrency)
+    client = EngineClient(loop)
     model = ModelInfo.from_model_dir(a.model, "host-only", loop.max_model_len, cfg.vocab_size, tok)
     server = HttpServer(build_app(client, model), settings)
     print(

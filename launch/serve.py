@@ -17,6 +17,7 @@ import signal
 import time
 from pathlib import Path
 
+from .api.limits import add_limit_args
 from .engine_args import add_layout_args
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ def register(p: argparse.ArgumentParser, nodes: int, default_ctx: str) -> None:
     p.add_argument(
         "--served-model-name", help="the model id clients ask for (default: the directory name)"
     )
+    add_limit_args(p)
     p.set_defaults(func=run)
 
 
@@ -128,6 +130,7 @@ def serve(args: argparse.Namespace, d: Path, cfg) -> int:
     from .api.app import build_app
     from .api.engine_client import EngineClient
     from .api.engine_request import ModelInfo
+    from .api.limits import Limits
     from .api.server import HttpServer, ServerSettings
     from .engine_args import build_engine, engine_config
     from .engine_loop import EngineLoop
@@ -140,9 +143,10 @@ def serve(args: argparse.Namespace, d: Path, cfg) -> int:
     model = ModelInfo.from_model_dir(
         d, args.served_model_name or d.name, loop.max_model_len, cfg.vocab_size, load_tokenizer(d)
     )
-    settings = ServerSettings(host=args.host, port=args.port)
-    client = EngineClient(loop, max_waiters=settings.limit_concurrency)
-    server = HttpServer(build_app(client, model, args.api_key), settings)
+    limits = Limits.from_args(args)
+    settings = ServerSettings(host=args.host, port=args.port, limits=limits)
+    client = EngineClient(loop)
+    server = HttpServer(build_app(client, model, args.api_key, limits), settings)
     # uvicorn stops on SIGINT/SIGTERM and then re-raises the signal to the handler it found:
     # this one, so that the engine is closed (Ray actors included) before the process ends
     for sig in (signal.SIGINT, signal.SIGTERM):

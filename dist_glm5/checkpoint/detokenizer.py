@@ -19,9 +19,11 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, **decode_kw):
-        """decode_kw: passed to tokenizer.decode (e.g. skip_special_tokens)."""
+    def __init__(self, tokenizer, stops: tuple[str, ...] = (), **decode_kw):
+        """stops: the request's stop strings, matched by `self.stops` (built once per request,
+        not per step); decode_kw: passed to tokenizer.decode (e.g. skip_special_tokens)."""
         self.tok, self.kw = tokenizer, decode_kw
+        self.stops = StopStrings(stops) if stops else None
         self.prefix = 0  # start of the decoded window (context already emitted)
         self.read = 0  # first id whose text is not yet emitted
 

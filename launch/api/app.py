@@ -1,11 +1,15 @@
 """The OpenAI-compatible application: routes, the API key, error bodies, the body-size limit, the
 request id.
 
-GET /health (no key; 503 when the engine cannot serve), GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions (JSON, or SSE with `stream: true`), POST /v1/tokenize and
-/v1/detokenize (also under vLLM's /tokenize and /detokenize), GET /version, GET /metrics
-(Prometheus), GET /openapi.json (FastAPI's schema of all of the above). Every response carries an
-`X-Request-Id`: the client's, echoed, or a new one.
+GET /health (no key; 503 when the engine cannot serve; HEAD too), GET /v1/models and
+/v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (JSON, or SSE with `stream:
+true`), POST /v1/tokenize and /v1/detokenize (also under vLLM's /tokenize and /detokenize), GET
+/version, GET /metrics (Prometheus), GET /openapi.json (FastAPI's schema of all of the above).
+Every response carries an `X-Request-Id`: the client's, echoed, or a new one.
+
+The event loop only moves bytes: a body is read whole by BodyLimitMiddleware (size and time
+limits), then parsed, validated, tokenised and its grammar compiled on the edge threads
+(serving.py), so a large or poisonous request never stalls another client's stream.
 """
 
 from __future__ import annotations
@@ -15,16 +19,20 @@ import uuid
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic.json_schema import models_json_schema
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import errors
 from .auth import ApiKeyMiddleware, bearer
+from .body import BodyLimitMiddleware
 from .engine_client import EngineClient
 from .engine_request import ModelInfo, render_chat
 from .errors import ApiError
+from .limits import DEFAULT_LIMITS, Limits
 from .metrics import registry
 from .protocol import (
     ChatCompletionRequest,
@@ -41,33 +49,46 @@ from .protocol import (
     TokenizeResponse,
     Version,
 )
-from .serving import Serving
+from .serving import Serving, parse_body
 
-MAX_BODY_BYTES = 32 << 20  # a 637K-token prompt as JSON token ids is ~5 MB
-_ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 500)}
+_ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 408, 413, 500)}
 _SSE = {"content": {"text/event-stream": {"description": "`stream: true`: chunks, then [DONE]"}}}
+_BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+
+
+def _body(model: type) -> dict:
+    """The OpenAPI requestBody of a route that parses its body itself (off the event loop)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
 def build_app(
     engine: EngineClient,
     model: ModelInfo,
     api_key: str | None = None,
-    max_body_bytes: int = MAX_BODY_BYTES,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> FastAPI:
     app = FastAPI(
         title="dist-glm5",
         summary="An OpenAI-compatible API for GLM-5 on the dist-glm5 runtime.",
         version="0.1.0",
         redoc_url=None,
-        max_body_size=max_body_bytes,
+        redirect_slashes=False,  # a redirect would be built from the client's Host header
     )
     errors.install(app)
+    # innermost first: the key is checked before a byte of the body is read
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes,
+                       body_timeout=limits.body_timeout)  # fmt: skip
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestIdMiddleware)  # outermost: a 401 carries the id too
     metrics = registry(engine.metrics)
-    serving = Serving(engine, model)
+    serving = Serving(engine, model, limits)
     started = int(time.time())
 
+    def card() -> ModelCard:
+        return ModelCard(id=model.name, created=started, max_model_len=model.max_model_len)
+
+    @app.head("/health", include_in_schema=False)
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     def health():
         h = engine.health()
@@ -79,25 +100,42 @@ def build_app(
 
     @api.get("/v1/models", response_model=ModelList)
     def models():
-        card = ModelCard(id=model.name, created=started, max_model_len=model.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[card()])
 
-    @api.post("/v1/completions", response_model=CompletionResponse, responses={200: _SSE})
-    async def completions(body: CompletionRequest, request: Request):
+    @api.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    def retrieve_model(model_id: str):
+        _check_model(model, model_id)
+        return card()
+
+    @api.post(
+        "/v1/completions", response_model=CompletionResponse, responses={200: _SSE},
+        openapi_extra=_body(CompletionRequest),
+    )  # fmt: skip
+    async def completions(request: Request):
+        body = await serving.off_loop(parse_body, await request.body(), CompletionRequest)
         return await serving.complete(request, body)
 
-    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={200: _SSE})
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    @api.post(
+        "/v1/chat/completions", response_model=ChatCompletionResponse, responses={200: _SSE},
+        openapi_extra=_body(ChatCompletionRequest),
+    )  # fmt: skip
+    async def chat_completions(request: Request):
+        body = await serving.off_loop(parse_body, await request.body(), ChatCompletionRequest)
         return await serving.chat(request, body)
 
-    @api.post("/v1/tokenize", response_model=TokenizeResponse)
-    @api.post("/tokenize", response_model=TokenizeResponse, include_in_schema=False)
-    def tokenize(body: TokenizeRequest):
+    def tokenize_body(raw: bytes) -> TokenizeResponse:
+        body = parse_body(raw, TokenizeRequest)
         tok = _tokenizer(model, body.model)
         if body.messages is not None:
+            limits.check("messages", len(body.messages), "max_messages")
             text = render_chat(model, body.messages, body.tools, body)
         else:
             text = body.prompt
+        if len(text) > limits.max_prompt_chars:
+            raise ApiError(400, f"the text has {len(text)} characters; this server tokenizes at "
+                           f"most {limits.max_prompt_chars} (--max-prompt-chars)",
+                           "messages" if body.messages is not None else "prompt",
+                           "limit_exceeded")  # fmt: skip
         ids = tok.encode(text)
         strs = [tok.decode([t], skip_special_tokens=False) for t in ids]
         return TokenizeResponse(
@@ -107,9 +145,13 @@ def build_app(
             token_strs=strs if body.return_token_strs else None,
         )
 
-    @api.post("/v1/detokenize", response_model=DetokenizeResponse)
-    @api.post("/detokenize", response_model=DetokenizeResponse, include_in_schema=False)
-    def detokenize(body: DetokenizeRequest):
+    @api.post("/v1/tokenize", response_model=TokenizeResponse, openapi_extra=_body(TokenizeRequest))
+    @api.post("/tokenize", response_model=TokenizeResponse, include_in_schema=False)
+    async def tokenize(request: Request):
+        return await serving.off_loop(_json, tokenize_body, await request.body())
+
+    def detokenize_body(raw: bytes) -> DetokenizeResponse:
+        body = parse_body(raw, DetokenizeRequest)
         tok = _tokenizer(model, body.model)
         bad = [t for t in body.tokens if t >= model.vocab_size]
         if bad:
@@ -118,6 +160,14 @@ def build_app(
                 "tokens",
             )  # fmt: skip
         return DetokenizeResponse(prompt=tok.decode(body.tokens))
+
+    @api.post(
+        "/v1/detokenize", response_model=DetokenizeResponse,
+        openapi_extra=_body(DetokenizeRequest),
+    )  # fmt: skip
+    @api.post("/detokenize", response_model=DetokenizeResponse, include_in_schema=False)
+    async def detokenize(request: Request):
+        return await serving.off_loop(_json, detokenize_body, await request.body())
 
     @api.get("/version", response_model=Version)
     def server_version():
@@ -128,7 +178,27 @@ def build_app(
         return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(api)
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema, plus the request bodies the routes parse themselves."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, summary=app.summary, routes=app.routes
+        )
+        _, defs = models_json_schema(
+            [(m, "validation") for m in _BODIES], ref_template="#/components/schemas/{model}"
+        )
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _json(build, *args) -> Response:
+    """A response model rendered to JSON bytes here (on an edge thread), not on the loop."""
+    return Response(build(*args).model_dump_json(), media_type="application/json")
 
 
 try:
@@ -137,14 +207,18 @@ except PackageNotFoundError:  # a source tree that was never installed
     VERSION = "0.0.0+unknown"
 
 
-def _tokenizer(model: ModelInfo, name: str | None):
+def _check_model(model: ModelInfo, name: str | None) -> None:
     if name is not None and name != model.name:
         raise ApiError(
             404,
-            f"the model {name!r} does not exist; this server serves {model.name!r}",
+            f"the model {name[:80]!r} does not exist; this server serves {model.name!r}",
             "model",
             "model_not_found",
         )
+
+
+def _tokenizer(model: ModelInfo, name: str | None):
+    _check_model(model, name)
     if model.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer")
     return model.tokenizer
@@ -162,6 +236,7 @@ class RequestIdMiddleware:
             return await self.app(scope, receive, send)
         given = [v for k, v in scope["headers"] if k == b"x-request-id"]
         rid = given[0] if given and _printable(given[0]) else uuid.uuid4().hex.encode()
+        scope["request_id"] = rid.decode("latin-1")  # a 500's body and log line name it
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

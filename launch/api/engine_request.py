@@ -20,6 +20,7 @@ from dist_glm5.sampling.params import SamplingParams
 
 from .chat_template import ChatTemplate
 from .errors import ApiError
+from .limits import DEFAULT_LIMITS, Limits
 from .protocol import ChatCompletionRequest, CompletionRequest, Request
 
 log = logging.getLogger(__name__)
@@ -96,10 +97,9 @@ class EngineRequest:
         return out
 
 
-MAX_CHOICES = 256  # prompts x n in one request
-
-
-def completion_request(req: CompletionRequest, m: ModelInfo) -> EngineRequest:
+def completion_request(
+    req: CompletionRequest, m: ModelInfo, limits: Limits = DEFAULT_LIMITS
+) -> EngineRequest:
     _common_checks(req, m)
     prompt = req.prompt
     batch = (
@@ -107,16 +107,19 @@ def completion_request(req: CompletionRequest, m: ModelInfo) -> EngineRequest:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
         else [prompt]
     )
-    if len(batch) * req.n > MAX_CHOICES:
+    if len(batch) * req.n > limits.max_choices:
         raise ApiError(
             400,
-            f"{len(batch)} prompts x n={req.n} is more than {MAX_CHOICES} choices in one request",
+            f"{len(batch)} prompts x n={req.n} is more than {limits.max_choices} choices in one "
+            "request (--max-choices)",
             "prompt" if len(batch) > 1 else "n",
+            "limit_exceeded",
         )
     prompts, texts = [], []
     for i, p in enumerate(batch):
         where = "prompt" if len(batch) == 1 else f"prompt.{i}"
         if isinstance(p, str):
+            _check_chars(p, limits, "prompt", where)
             ids = _encode(m, p, "prompt", where)
         else:
             ids = list(p)
@@ -124,7 +127,8 @@ def completion_request(req: CompletionRequest, m: ModelInfo) -> EngineRequest:
                 raise ApiError(400, f"{where}: the prompt is empty", "prompt")
             _check_ids(ids, m, "prompt")
         prompts.append(ids)
-        texts.append(p if isinstance(p, str) else _decode(m, ids))
+        if req.echo:
+            texts.append(p if isinstance(p, str) else _decode(m, ids))
     want_plp = req.prompt_logprobs
     if req.echo and req.logprobs is not None:  # the echoed prompt comes with its logprobs
         want_plp = max(req.logprobs, want_plp or 0)
@@ -134,22 +138,46 @@ def completion_request(req: CompletionRequest, m: ModelInfo) -> EngineRequest:
         prompts,
         req.max_tokens,
         req.logprobs,
+        limits,
         prompt_logprobs=want_plp,
         echo=texts if req.echo else None,
     )
 
 
-def chat_request(req: ChatCompletionRequest, m: ModelInfo) -> EngineRequest:
+def chat_request(
+    req: ChatCompletionRequest, m: ModelInfo, limits: Limits = DEFAULT_LIMITS
+) -> EngineRequest:
     _common_checks(req, m)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     if m.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids")
+    limits.check("messages", len(req.messages), "max_messages")
+    limits.check("tools", len(req.tools or ()), "max_tools")
+    if req.n > limits.max_choices:
+        raise ApiError(400, f"n={req.n} is more than {limits.max_choices} choices in one request "
+                       "(--max-choices)", "n", "limit_exceeded")  # fmt: skip
     tools, grammar = _tools(req, m)
-    ids = _encode(m, render_chat(m, req.messages, req.tools, req), "messages")
+    text = render_chat(m, req.messages, req.tools, req)
+    _check_chars(text, limits, "messages", "messages (rendered by the chat template)")
+    ids = _encode(m, text, "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _engine_request(req, m, [ids], max_tokens, logprobs, tools=tools, tool_grammar=grammar)
+    return _engine_request(
+        req, m, [ids], max_tokens, logprobs, limits, tools=tools, tool_grammar=grammar
+    )
+
+
+def _check_chars(text: str, limits: Limits, param: str, where: str) -> None:
+    """Before tokenising: a text this long costs seconds to encode and cannot fit anyway."""
+    if len(text) > limits.max_prompt_chars:
+        raise ApiError(
+            400,
+            f"{where} has {len(text)} characters; this server tokenizes at most "
+            f"{limits.max_prompt_chars} (--max-prompt-chars)",
+            param,
+            "limit_exceeded",
+        )
 
 
 def render_chat(m: ModelInfo, messages, tools, options) -> str:
@@ -276,6 +304,7 @@ def _engine_request(
     prompts: list[list[int]],
     max_tokens: int | None,
     logprobs: int | None,
+    limits: Limits,
     prompt_logprobs: int | None = None,
     echo: list[str] | None = None,
     tools: dict | None = None,
@@ -297,11 +326,17 @@ def _engine_request(
         raise ApiError(
             400, f"min_tokens={req.min_tokens} is more than max_tokens={max_tokens}", "min_tokens"
         )
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    # every list is bounded before anything walks it (each limit names its flag)
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(dict.fromkeys(req.stop or ()))
+    limits.check("stop", len(stop), "max_stop")
     if stop and m.tokenizer is None:
         raise ApiError(400, "stop strings need a tokenizer; use stop_token_ids", "stop")
-    stop_ids = tuple(req.stop_token_ids or ())
+    stop_ids = tuple(dict.fromkeys(req.stop_token_ids or ()))
+    limits.check("stop_token_ids", len(stop_ids), "max_stop_token_ids")
     _check_ids(stop_ids, m, "stop_token_ids")
+    limits.check("bad_words", len(req.bad_words or ()), "max_bad_words")
+    limits.check("logit_bias", len(req.logit_bias or ()), "max_logit_bias")
+    limits.check("guided_choice", len(req.guided_choice or ()), "max_guided_choice")
     bad_words = _bad_words(req.bad_words, m)
     grammar = _grammar(req, m)
     if grammar is not None and tool_grammar is not None:
@@ -371,14 +406,14 @@ def _sampling(req: Request, m: ModelInfo) -> dict:
 def _bad_words(words: list[str] | None, m: ModelInfo) -> tuple[tuple[int, ...], ...]:
     """Each word's token ids, and (as vLLM) those of the word after a space, which a BPE
     tokenizer spells differently: a banned word is banned at the start of a text and inside it."""
-    out: list[tuple[int, ...]] = []
-    for w in words or ():
+    out: dict[tuple[int, ...], None] = {}  # ordered, and de-duplicated in linear time
+    for w in dict.fromkeys(words or ()):
         ids = tuple(_encode(m, w, "bad_words"))
         spaced = tuple(m.tokenizer.encode(" " + w.lstrip(" ")))
         # the spaced form's own tokens, when the space merges into the word's first token
         for form in (ids, spaced):
-            if form and form not in out and (form is ids or form[1:] != ids):
-                out.append(form)
+            if form and (form is ids or form[1:] != ids):
+                out[form] = None
     return tuple(out)
 
 

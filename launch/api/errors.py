@@ -10,6 +10,7 @@ lone surrogate that JSON cannot encode.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -26,6 +27,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",
@@ -106,16 +108,32 @@ def _http(_: Request, exc: HTTPException) -> JSONResponse:
 
 
 def _code(exc: HTTPException) -> str | None:
-    return {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status_code)
+    codes = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+    return codes.get(exc.status_code)
 
 
 def _api(_: Request, exc: ApiError) -> JSONResponse:
     return error_response(exc.status, exc.message, exc.param, exc.code)
 
 
-def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-    log.exception("unexpected error serving a request")
-    return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    rid = request.scope.get("request_id", "-")
+    log.error("request %s: unexpected error", rid, exc_info=exc)
+    # the client learns nothing of our internals; the log has the traceback under this id
+    return error_response(500, f"internal server error (request id {rid}; see the server log)")
+
+
+def public(message: str) -> str:
+    """An engine failure's text as a client may see it: the first line, without source paths
+    (gloo's `[/path/to/pair.cc:534]`) or file names, at most 300 characters."""
+    line = message.strip().splitlines()[0] if message.strip() else "unknown failure"
+    line = _SOURCE.sub("", line)
+    line = _PATH.sub("<path>", line)
+    return line[:300]
+
+
+_SOURCE = re.compile(r"\[[^\]]*\.(?:cc|cpp|c|h|hpp|py|pyx)(?::\d+)?\]\s*")
+_PATH = re.compile(r"(?:/[\w.+-]+){2,}")
 
 
 def _gone(_: Request, exc: ClientGone) -> Response:

@@ -1,9 +1,11 @@
-"""uvicorn running the application: connection limits, timeouts and the listen backlog as
-uvicorn's settings, the socket bound before the engine is announced ready.
+"""uvicorn running the application: the connection limits and timeouts (launch/api/limits.py,
+enforced by connections.py's protocol), the listen backlog, the socket bound before the engine
+is announced ready.
 
-A stalled or idle client holds a coroutine, not a thread; past `limit_concurrency` connections
-uvicorn answers 503 at once; idle keep-alive connections close after `timeout_keep_alive`; a
-request head larger than `max_header_bytes` is refused by h11.
+A stalled or idle client holds a coroutine, not a thread. A connection must send its request head
+within `header_timeout` (or `keep_alive_timeout` after a response); past `max_connections` the
+longest-idle connection is closed to make room, so idle sockets are shed before /health or a
+request in flight notices. A request head larger than `max_header_bytes` is refused by h11.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI
+
+from .connections import Stats, guarded_protocol
+from .limits import Limits
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +28,8 @@ log = logging.getLogger(__name__)
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    limit_concurrency: int = 512  # connections and tasks at once
+    limits: Limits = field(default_factory=Limits)
     backlog: int = 2048  # pending connects (the kernel caps it at net.core.somaxconn)
-    timeout_keep_alive: int = 15  # seconds an idle keep-alive connection stays open
     timeout_graceful_shutdown: int = 10  # seconds in-flight requests get on SIGTERM
     max_header_bytes: int = 64 << 10
 
@@ -37,17 +41,18 @@ class HttpServer:
 
     def __init__(self, app: FastAPI, settings: ServerSettings = ServerSettings()):
         self.settings = s = settings
+        self.stats = Stats()
         self.config = uvicorn.Config(
             app,
             host=s.host,
             port=s.port,
-            http="h11",
+            http=guarded_protocol(s.limits, self.stats),
             ws="none",
             lifespan="off",
             log_config=None,  # our logging configuration, not uvicorn's
-            limit_concurrency=s.limit_concurrency,
+            limit_concurrency=None,  # the protocol sheds idle connections instead of 503s
             backlog=s.backlog,
-            timeout_keep_alive=s.timeout_keep_alive,
+            timeout_keep_alive=max(1, int(s.limits.keep_alive_timeout)),
             timeout_graceful_shutdown=s.timeout_graceful_shutdown,
             h11_max_incomplete_event_size=s.max_header_bytes,
         )
