@@ -91,8 +91,22 @@ class EngineConfig:
     address: str | None = None  # an existing Ray cluster; None: in process, or a local cluster
     host: str = "127.0.0.1"  # the address our sockets bind and advertise
     backend: str = "cpu"  # dist_glm5.backends: where every worker places and runs its stage
+    # Failure detection (Ray pipelines). A worker's heartbeat thread beats while its main thread
+    # computes, so a long prefill chunk is never taken for a frozen worker: the heartbeat timeout
+    # finds a stopped or unreachable one in seconds; the step timeout is the backstop for a live
+    # worker that makes no progress (gloo's own timeout is set above it, so we name the stage).
+    step_timeout: float = 300.0  # s for a step's result; then the earliest stage not done fails
+    heartbeat_interval: float = 1.0  # s between a worker's heartbeats
+    heartbeat_timeout: float = 10.0  # s of silence after which a worker is failed as frozen
 
     def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_interval * 2 <= self.heartbeat_timeout:
+            raise ValueError(
+                f"--heartbeat-timeout {self.heartbeat_timeout} must be at least twice "
+                f"--heartbeat-interval {self.heartbeat_interval} (and both > 0)"
+            )
+        if self.step_timeout <= 0:
+            raise ValueError(f"--step-timeout {self.step_timeout}: must be > 0")
         if self.backend not in BACKENDS:
             raise ValueError(
                 f"backend {self.backend!r}: choose one of {', '.join(BACKENDS)} (--backend)"

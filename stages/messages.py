@@ -112,6 +112,19 @@ class Hello:
 
 
 @message
+class Heartbeat:
+    """A worker is alive: sent every `heartbeat_interval` s by a thread of its own, whatever its
+    main thread is doing (torch ops and gloo waits release the GIL); a stopped or hung process
+    sends none. `done` is the last step it finished, `working` the one it is on (None: idle)."""
+
+    stage: int
+    rank: int
+    pid: int
+    done: int = -1
+    working: int | None = None
+
+
+@message
 class WorkerError:
     stage: int
     rank: int

@@ -19,7 +19,11 @@ class StageFailure(RuntimeError):
 
 
 class Pipeline(Protocol):
-    """send() and recv() raise StageFailure naming the stage and rank that failed."""
+    """send() and recv() raise StageFailure naming the stage and rank that failed.
+
+    A pipeline of processes may also watch its workers between steps: `poll()` (called while
+    idle; raises StageFailure like recv()) and `stalled` (a worker is late: what it is, else None).
+    """
 
     @property
     def cache(self) -> CacheConfig: ...  # every worker's cache: the scheduler's ledger mirrors it

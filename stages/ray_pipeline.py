@@ -5,6 +5,12 @@ cluster has enough nodes); control messages are msgpack over zmq (the coordinato
 each worker connects a DEALER named "stage/rank"); hidden states and all-reduces go through
 torch.distributed (gloo on CPU). A worker that raises reports a WorkerError; one that dies is seen
 through its actor's task ref. Either way recv() raises StageFailure naming the stage and rank.
+
+A worker that stops without dying (SIGSTOP, a hung host, a cut link) is found by its heartbeats:
+each worker beats every `heartbeat_interval` s from a thread of its own; one silent for
+`heartbeat_timeout` s fails (late but not yet timed out, it makes `stalled` say so, and /health
+answers 503). A step without a result within the step timeout names the earliest worker that has
+not finished it (heartbeats and StepTimings carry each worker's progress).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import zmq
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.planning.partition import partition_layers
 from dist_glm5.stages.messages import (
+    Heartbeat,
     Hello,
     Shutdown,
     StepPlan,
@@ -37,6 +44,8 @@ from .worker import serve
 
 log = logging.getLogger(__name__)
 TIMINGS_KEPT = 1024
+POLL_MS = 50  # how often recv() looks at Ray and the heartbeats while nothing arrives
+WATCH_EVERY_S = 0.1  # at most this often (each look asks Ray)
 
 
 def free_port(host: str) -> int:
@@ -100,6 +109,10 @@ class RayPipeline:
         # those not yet taken by the coordinator (drained every step)
         self.timings: deque[StepTiming] = deque(maxlen=TIMINGS_KEPT)
         self._fresh: list[StepTiming] = []
+        self.beat_timeout = engine.heartbeat_timeout
+        # late (but not yet failed): a few beats missed, and a third of the way to the timeout
+        self.beat_late = max(3 * engine.heartbeat_interval, engine.heartbeat_timeout / 3)
+        self.stalled: str | None = None  # which worker is late, while one is (read by /health)
         self._start()
 
     def _threads_per_worker(self) -> int:
@@ -161,6 +174,12 @@ class RayPipeline:
         ]
         waiting = {(s.stage, s.rank) for s in self.specs}
         self.pids: dict[tuple[int, int], int] = {}
+        self.beats: dict[tuple[int, int], float] = {}  # (stage, rank) -> last heard (monotonic)
+        self.done: dict[tuple[int, int], int] = {}  # (stage, rank) -> last step it finished
+        self.working: dict[tuple[int, int], int | None] = {}
+        self.outstanding: dict[int, float] = {}  # step sent, no result yet -> when sent
+        self.first_step: int | None = None  # the first step of this incarnation (older: stale)
+        self.stalled, self._watched = None, 0.0
         deadline = time.monotonic() + self.startup_timeout
         while waiting:
             self._check_alive()
@@ -176,6 +195,8 @@ class RayPipeline:
                 if isinstance(msg, Hello):
                     waiting.discard((msg.stage, msg.rank))
                     self.pids[(msg.stage, msg.rank)] = msg.pid
+        now = time.monotonic()  # silence is counted from here (a load is not watched)
+        self.beats = {k: now for k in self.pids}
         log.info(
             "pipeline up: %d stage(s) x %d rank(s) on nodes %s",
             self.stages,
@@ -201,28 +222,124 @@ class RayPipeline:
                 err = f"{type(e).__name__}: {e}"
             raise StageFailure(spec.stage, spec.rank, err)
 
-    def _blame(self, msg: WorkerError, grace: float = 3.0) -> StageFailure:
+    def _blame(self, msg: WorkerError, grace: float = 1.0) -> StageFailure:
         """A worker's error may only be the echo of a peer that died (gloo: connection reset):
-        give Ray a moment to report a dead actor and name that one instead."""
+        give Ray a moment to report a dead actor and name that one instead (Ray usually knows in
+        a few hundred ms; the wait ends as soon as it does)."""
         import ray
         from ray.exceptions import RayActorError
 
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            done, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0.2)
+        echo = "gloo" in msg.error or "Connection" in msg.error
+        deadline = time.monotonic() + (grace if echo else 0.0)
+        while True:
+            done, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0.05)
             for ref in done:
+                spec = self.specs[self.refs.index(ref)]
+                if (spec.stage, spec.rank) == (msg.stage, msg.rank):
+                    continue
                 try:
                     ray.get(ref)
                 except RayActorError as e:
-                    spec = self.specs[self.refs.index(ref)]
                     return StageFailure(
                         spec.stage, spec.rank, f"worker process died ({type(e).__name__})"
                     )
                 except Exception:
                     pass
-            if "gloo" not in msg.error and "Connection" not in msg.error:
-                break  # the reporter's own failure, not a peer's
+            if time.monotonic() >= deadline:
+                break
+        if echo:  # a peer that stopped without dying: the longest silent one is to blame
+            silent = self._silent()
+            if silent and silent[0][1] >= self.beat_late:
+                (stage, rank), s = silent[0]
+                return StageFailure(stage, rank, f"no heartbeat for {s:.1f}s ({msg.error})")
         return StageFailure(msg.stage, msg.rank, msg.error)
+
+    # ---- watching ------------------------------------------------------------------------
+    def _silent(self) -> list[tuple[tuple[int, int], float]]:
+        """(worker, seconds since its last heartbeat), the longest silent first."""
+        now = time.monotonic()
+        return sorted(((k, now - t) for k, t in self.beats.items()), key=lambda x: -x[1])
+
+    def _watch(self, force: bool = False) -> None:
+        """Every message that arrived has been read (silence is real): fail a dead worker or one
+        silent past the heartbeat timeout; flag one that is late."""
+        now = time.monotonic()
+        if not force and now - self._watched < WATCH_EVERY_S:
+            return
+        self._watched = now
+        self._check_alive()
+        silent = self._silent()
+        if not silent:
+            return
+        (stage, rank), s = silent[0]
+        if s >= self.beat_timeout:
+            self.stalled = None
+            raise StageFailure(
+                stage,
+                rank,
+                f"no heartbeat for {s:.1f}s (timeout {self.beat_timeout:g}s): frozen or "
+                f"unreachable (pid {self.pids.get((stage, rank))})",
+            )
+        stalled = f"stage {stage} rank {rank} silent for {s:.1f}s" if s >= self.beat_late else None
+        if stalled and not self.stalled:
+            log.warning("%s (fails at %gs)", stalled, self.beat_timeout)
+        elif self.stalled and not stalled:
+            log.info("every worker beats again")
+        self.stalled = stalled
+
+    def poll(self) -> None:
+        """While idle: read what arrived and watch the workers (StageFailure as in recv())."""
+        while self.sock.poll(0):
+            msg = self._take(self.sock.recv_multipart()[-1])
+            if isinstance(msg, StepResult):  # nothing is outstanding: an old pipeline's
+                log.warning("dropping a result for step %d nobody waits for", msg.step)
+        self._watch()
+
+    def _take(self, raw: bytes):
+        """Book one message: returns it if recv() should look at it (a result or an error)."""
+        msg = unpack(raw)
+        k = (getattr(msg, "stage", -1), getattr(msg, "rank", -1))
+        if isinstance(msg, Heartbeat):
+            if self.pids.get(k) != msg.pid:
+                return None  # an old incarnation's last beat, or a worker not up yet
+            self.beats[k] = time.monotonic()
+            self.done[k] = max(self.done.get(k, -1), msg.done)
+            self.working[k] = msg.working
+            return None
+        step = getattr(msg, "step", None)
+        if step is not None and (self.first_step is None or step < self.first_step):
+            log.warning("dropping %s for step %s of a previous pipeline", type(msg).__name__, step)
+            return None
+        if isinstance(msg, StepTiming):
+            self.done[k] = max(self.done.get(k, -1), msg.step)
+            self.timings.append(msg)
+            self._fresh.append(msg)
+            del self._fresh[:-TIMINGS_KEPT]  # nobody taking them: keep it bounded
+            return None
+        if isinstance(msg, StepResult):
+            self.outstanding.pop(msg.step, None)
+            for t in msg.stage_times:
+                key = (t.stage, t.rank)
+                self.done[key] = max(self.done.get(key, -1), msg.step)
+        return msg if isinstance(msg, (StepResult, WorkerError)) else None
+
+    def _late_step(self, timeout: float) -> StageFailure:
+        """No result within the step timeout: name the earliest worker that has not finished the
+        oldest outstanding step (a stage runs only after the one before it)."""
+        step = min(self.outstanding) if self.outstanding else -1
+        for spec in self.specs:
+            k = (spec.stage, spec.rank)
+            if self.done.get(k, -1) < step:
+                on = self.working.get(k)
+                where = f"working on step {on}" if on is not None else "idle"
+                return StageFailure(
+                    spec.stage,
+                    spec.rank,
+                    f"step {step} not done within the step timeout ({timeout:g}s); this worker "
+                    f"beats but is stuck ({where}, last finished step {self.done.get(k, -1)})",
+                )
+        last = self.specs[-1]
+        return StageFailure(last.stage, last.rank, f"no result for step {step} within {timeout:g}s")
 
     def _stop(self) -> None:
         import ray
@@ -265,6 +382,9 @@ class RayPipeline:
 
     # ---- traffic -----------------------------------------------------------------------
     def send(self, plan: StepPlan) -> None:
+        if self.first_step is None:
+            self.first_step = plan.step
+        self.outstanding[plan.step] = time.monotonic()
         raw = pack(plan)
         for s in self.specs:
             try:
@@ -273,24 +393,21 @@ class RayPipeline:
                 raise StageFailure(s.stage, s.rank, f"cannot reach the worker: {e}") from e
 
     def recv(self, timeout: float) -> StepResult:
+        """The next step result; StageFailure when a worker reports an error, dies, goes silent
+        past the heartbeat timeout, or no result comes within `timeout` s."""
         deadline = time.monotonic() + timeout
         while True:
-            if self.sock.poll(500):
-                _, raw = self.sock.recv_multipart()
-                msg = unpack(raw)
+            if self.sock.poll(POLL_MS):
+                msg = self._take(self.sock.recv_multipart()[-1])
                 if isinstance(msg, StepResult):
                     return msg
-                if isinstance(msg, StepTiming):
-                    self.timings.append(msg)
-                    self._fresh.append(msg)
-                    del self._fresh[:-TIMINGS_KEPT]  # nobody taking them: keep it bounded
-                    continue
                 if isinstance(msg, WorkerError):
                     raise self._blame(msg)
-                continue
-            self._check_alive()
+                if self.sock.poll(0):
+                    continue  # read everything that arrived before judging anyone silent
+            self._watch()
             if time.monotonic() > deadline:
-                raise StageFailure(-1, -1, f"no step result within {timeout:.0f}s")
+                raise self._late_step(timeout)
 
 
 def local_cluster(nodes: int, cpus_per_node: int = 4):

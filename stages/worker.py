@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -359,9 +360,51 @@ class StageWorker:
 
 
 # ---- process mode -----------------------------------------------------------------------
+class HeartbeatThread(threading.Thread):
+    """Beats to the coordinator every `interval` s over a DEALER socket of its own (zmq sockets
+    are not thread-safe). The main thread sets `working` / `done` as steps start and finish."""
+
+    def __init__(self, ctx, spec: StageSpec, coord_addr: str, interval: float):
+        super().__init__(name=f"heartbeat-{spec.stage}-{spec.rank}", daemon=True)
+        import zmq
+
+        self.spec, self.interval = spec, interval
+        self.sock = ctx.socket(zmq.DEALER)
+        # its own identity: the ROUTER would drop one of two peers that share "stage/rank"
+        self.sock.setsockopt(zmq.IDENTITY, b"hb/" + spec.id.identity)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 8)  # a coordinator that stopped reading: drop, not hoard
+        self.sock.connect(coord_addr)
+        self.working: int | None = None
+        self.done = -1
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        import zmq
+
+        from dist_glm5.stages.messages import Heartbeat, pack
+
+        pid = os.getpid()
+        try:
+            while not self.stopping.is_set():
+                beat = Heartbeat(self.spec.stage, self.spec.rank, pid, self.done, self.working)
+                try:
+                    self.sock.send(pack(beat), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the queue is full: the coordinator is not reading, nothing to add
+                self.stopping.wait(self.interval)
+        finally:
+            self.sock.close()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(timeout=5)
+
+
 def serve(spec: StageSpec, coord_addr: str, dist_init: str | None) -> None:
     """Run one worker until Shutdown: plans in over zmq (DEALER to the coordinator's ROUTER),
-    results and errors out the same way; hidden states over torch.distributed."""
+    results and errors out the same way; hidden states over torch.distributed; heartbeats from a
+    thread of their own."""
     import zmq
 
     from dist_glm5.backends.comm import Comm
@@ -372,24 +415,33 @@ def serve(spec: StageSpec, coord_addr: str, dist_init: str | None) -> None:
     sock.setsockopt(zmq.IDENTITY, spec.id.identity)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(coord_addr)
+    beat = HeartbeatThread(ctx, spec, coord_addr, spec.engine.heartbeat_interval)
+    beat.start()
     comm, step = None, None
     try:
         backend = get_backend(spec.engine.backend)
         if spec.stages * spec.ranks > 1:
-            comm = (backend.comm or Comm)(spec.stage, spec.rank, spec.stages, spec.ranks, dist_init)
+            args = (spec.stage, spec.rank, spec.stages, spec.ranks, dist_init)
+            if backend.comm is None:
+                # gloo gives up after the step timeout (and a margin): the coordinator's own
+                # timeout fires first and names the stage that is late, not the one waiting
+                comm = Comm(*args, timeout_s=max(120.0, spec.engine.step_timeout + 60.0))
+            else:
+                comm = backend.comm(*args)
         worker = StageWorker(spec, comm, backend)
         sock.send(pack(Hello(spec.stage, spec.rank, os.getpid())))
         while True:
             msg = unpack(sock.recv())
             if isinstance(msg, Shutdown):
                 break
-            step = msg.step
+            step = beat.working = msg.step
             t0, s0, b0 = (
                 worker.busy,
                 comm.send_seconds if comm else 0.0,
                 comm.bytes_sent if comm else 0,
             )
             res = worker.step(msg)
+            beat.done, beat.working = msg.step, None
             if res is not None:
                 sock.send(pack(res))
             elif (spec.rank == 0 and not worker.last) or spec.engine.profile:
@@ -423,6 +475,7 @@ def serve(spec: StageSpec, coord_addr: str, dist_init: str | None) -> None:
         )
         raise
     finally:
+        beat.stop()
         if comm is not None:
             comm.close()
         sock.close()
