@@ -56,6 +56,26 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
         "(O(T^2): for checking, short prompts only)",
     )
     p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for a step's result before failing the earliest stage that has not "
+        "finished it (a live but stuck worker; default: 300, room for long CPU prefill chunks)",
+    )
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=1.0,
+        help="seconds between a stage worker's heartbeats (default: 1)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="seconds of heartbeat silence after which a worker is failed as frozen or "
+        "unreachable (default: 10; /health is 503 once it is a third of the way there)",
+    )
+    p.add_argument(
         "--dsa-prefill",
         choices=["rows", "windows"],
         default=None,
@@ -122,6 +142,9 @@ def engine_config(
         address=args.address,
         host=args.host,
         backend=getattr(args, "backend", "cpu"),
+        step_timeout=getattr(args, "step_timeout", 300.0),
+        heartbeat_interval=getattr(args, "heartbeat_interval", 1.0),
+        heartbeat_timeout=getattr(args, "heartbeat_timeout", 10.0),
     )
 
 
@@ -142,5 +165,10 @@ def build_engine(engine: EngineConfig):
 
         pipe = RayPipeline(engine)
     return Coordinator(
-        pipe, engine.scheduler, cfg.eos_token_id, cfg.vocab_size, load_tokenizer(engine.model_dir)
+        pipe,
+        engine.scheduler,
+        cfg.eos_token_id,
+        cfg.vocab_size,
+        load_tokenizer(engine.model_dir),
+        step_timeout=engine.step_timeout,
     )

@@ -26,23 +26,27 @@ order:
   ("invalid", message): refused at admission, nothing ran (a bad value, or a request that can never
       fit: prompt + max_tokens over `max_model_len`; the message states the limit): a 400.
   ("error", message): serving it failed. A stage failed (the message names stage and rank; the
-      other started requests fail too, the pipeline restarts, waiting requests stay queued), or
-      this request alone failed (its own sampling): a 500.
+      other started requests fail too and hear it before the pipeline restarts; waiting requests
+      stay queued and are served after the restart), or this request alone failed (its own
+      sampling): a 500.
 
-`abort(request_id)` (a Handle is accepted too): the request finishes with reason "abort" (a "done"
-event), its blocks are free at once in the ledger and every stage drops it with the next step; a
-chunk still in flight is discarded. Aborting an unknown or finished request does nothing.
+`abort(request_id, why=...)` (a Handle is accepted too): the request finishes with reason "abort"
+(a "done" event), its blocks are free at once in the ledger and every stage drops it with the next
+step; a chunk still in flight is discarded. Each abort is logged (INFO: id, why, tokens so far).
+Aborting an unknown or finished request does nothing.
 
-`state` -> EngineState(status, reason): "ok"; "restarting" (a failure is being recovered: the
-pipeline is reloading); "dead" (the loop cannot serve: restarts failed, or the loop itself crashed;
-reason says why; every request then gets "error"). `health()` -> the same with `.ok` (True only
-when "ok") and `.detail`: /health answers 503 unless ok.
+`state` -> EngineState(status, reason): "ok"; "stalled" (a worker's heartbeat is late: it may be
+frozen; reason names it); "restarting" (a failure is being recovered: the pipeline is reloading);
+"dead" (the loop cannot serve: restarts failed, or the loop itself crashed; reason says why; every
+request then gets "error"). `health()` -> the same with `.ok` (True only when "ok") and `.detail`:
+/health answers 503 unless ok.
 
 `metrics_snapshot()` -> stages.metrics.EngineMetrics, a copy taken under the loop's lock (counters,
 gauges, fixed-bucket histograms of TTFT, inter-token latency, end-to-end latency and queue time;
 see stages/metrics.py for the fields and suggested Prometheus names). TTFT is submit -> first
 delta with tokens; inter-token latency is observed once per later delta with tokens (a step that
-emits an accepted MTP draft and a bonus token is one observation); e2e is submit -> done.
+emits an accepted MTP draft and a bonus token is one observation); e2e is submit -> done; queue
+time is submit -> the first plan the scheduler put the request in.
 
 Memory: the loop keeps a request only while it runs; after its terminal event nothing in the
 engine refers to its Sequence (only the Handle the caller holds).
@@ -77,7 +81,7 @@ class Delta(NamedTuple):
 
 @dataclass(frozen=True)
 class EngineState:
-    status: str  # "ok" | "restarting" | "dead"
+    status: str  # "ok" | "stalled" | "restarting" | "dead"
     reason: str = ""
 
     @property
@@ -96,7 +100,7 @@ class Handle:
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     last_token: float | None = None
-    queued: bool = True  # not yet sent to the pipeline
+    queued: bool = True  # queue time not yet observed
     seq: Sequence | None = None
     sent: int = 0  # token ids published
     text_sent: int = 0  # characters of text published
@@ -131,8 +135,9 @@ class EngineLoop:
             self._fail_inbox(self._state.detail)
         return h
 
-    def abort(self, request: object) -> None:
-        self.aborts.put(request.request_id if isinstance(request, Handle) else request)
+    def abort(self, request: object, why: str = "the client went away or cancelled") -> None:
+        rid = request.request_id if isinstance(request, Handle) else request
+        self.aborts.put((rid, why))
         self._wake.set()
 
     @property
@@ -174,18 +179,23 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self.stop.is_set():
+            if self.c.failure is not None:  # its requests' errors are out: now the restart
+                self._restart(self.c.failure)
             self._admit()
             self._abort()
             if not self.c.has_work:
+                if self.c.poll():  # a worker found dead or frozen while idle
+                    self._publish()
                 self._refresh()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
             try:
-                self.c.step()
-            except Exception as e:  # a bug, or a restart that failed: recover, keep serving
+                self.c.step()  # a stage failure returns its failed requests, restart pending
+            except Exception as e:  # a bug: fail what started, publish, then restart
                 log.exception("engine step failed")
-                self._recover(f"engine failure: {type(e).__name__}: {e}")
+                why = f"engine failure: {type(e).__name__}: {e}"
+                self.c.fail(why)
             self._publish()
             self._refresh()
 
@@ -212,12 +222,21 @@ class EngineLoop:
         aborted = False
         while True:
             try:
-                rid = self.aborts.get_nowait()
+                rid, why = self.aborts.get_nowait()
             except queue.Empty:
                 break
             h = self.live.get(rid)
             if h is not None and h.seq is not None and not h.seq.finished:
-                self.c.abort(h.seq)
+                s = h.seq
+                log.info(
+                    "request %r aborted (%s) after %d of %d tokens, %.2fs after submit",
+                    rid,
+                    why,
+                    len(s.output),
+                    s.params.max_tokens,
+                    time.perf_counter() - h.submitted,
+                )
+                self.c.abort(s)
                 aborted = True
         if aborted:  # published now, not after the next step
             self._publish()
@@ -234,10 +253,10 @@ class EngineLoop:
 
     def _publish_one(self, h: Handle, now: float) -> None:
         s, m = h.seq, self.metrics
-        if h.queued and s.params_sent:
+        if h.queued and s.scheduled_at is not None:
             h.queued = False
-            with self._lock:
-                m.queue.observe(now - h.submitted)
+            with self._lock:  # submit -> first scheduled, not -> first published
+                m.queue.observe(max(0.0, s.scheduled_at - h.submitted))
         toks = s.output[h.sent :]
         upto = len(s.text) - (0 if s.finished else s.text_hold)
         text = s.text[h.text_sent : upto] if upto > h.text_sent else ""
@@ -285,16 +304,17 @@ class EngineLoop:
             m.mtp_drafts, m.mtp_accepted = c.stats.drafts_proposed, c.stats.drafts_accepted
             m.stage_busy_seconds = {(k.stage, k.rank): v for k, v in c.stats.stage_busy.items()}
 
-    def _recover(self, why: str) -> None:
-        """Fail what started, then restart the pipeline (a few attempts, backing off)."""
-        self.c.fail_started(why)
-        self._publish()
+    def _restart(self, why: str) -> None:
+        """Restart the pipeline (a few attempts, backing off); the failed requests' errors were
+        published before this."""
         delay = RESTART_BACKOFF_S
         for attempt in range(1, RESTART_ATTEMPTS + 1):
             self._state = EngineState("restarting", why)
             try:
+                t0 = time.monotonic()
                 self.c.restart(why)
                 self._state = EngineState("ok")
+                log.info("pipeline restarted in %.1fs", time.monotonic() - t0)
                 return
             except Exception as e:
                 log.exception("pipeline restart %d of %d failed", attempt, RESTART_ATTEMPTS)

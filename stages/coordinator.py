@@ -7,9 +7,11 @@ are proposed and verified on the last stage; the coordinator only feeds each dra
 step's [token, draft]. Each sequence's text is detokenised incrementally here (one detokenizer per
 sequence, a few tokens decoded per step), and stop strings are matched on it.
 
-One failure path: a StageFailure raised by the pipeline's send() or recv() fails exactly the
-started requests (their error names the stage and rank), restarts the pipeline and keeps the
-waiting requests queued. A failure of one sequence alone (its sampling) fails that sequence only.
+One failure path: a StageFailure raised by the pipeline's send(), recv() or poll() fails exactly the
+started requests (their error names the stage and rank) and returns them from step() at once, so
+their clients hear before the pipeline restarts; `failure` then says a restart is due, which the
+next step() (or the engine loop, after publishing the errors) performs. Waiting requests stay
+queued. A failure of one sequence alone (its sampling) fails that sequence only.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 import random
 from dataclasses import dataclass, field, replace
 
-from dist_glm5.checkpoint.detokenizer import IncrementalDetokenizer, StopStrings
+from dist_glm5.checkpoint.detokenizer import IncrementalDetokenizer
 from dist_glm5.sampling.params import SamplingParams, check_vocab
 
 from .engine_config import StageId
@@ -53,20 +55,36 @@ class Coordinator:
         eos: tuple[int, ...],
         vocab_size: int,
         tokenizer=None,
-        step_timeout: float = 300.0,
+        step_timeout: float | None = None,
     ):
         self.pipeline, self.sched_cfg, self.eos, self.vocab = pipeline, sched, eos, vocab_size
         self.tokenizer = tokenizer
         cache = pipeline.cache
         self.scheduler = Scheduler(sched, tuple(eos), cache.blocks, cache.block_size)
+        if step_timeout is None:  # the engine's (--step-timeout), else a generous default
+            step_timeout = getattr(getattr(pipeline, "engine", None), "step_timeout", 300.0)
         self.step_timeout = step_timeout
         self.ids = itertools.count()
         self.step_ids = itertools.count()
         self.in_flight = 0
         self.stats = Stats()
-        self.status: tuple[str, str] = ("ok", "")  # ("ok" | "restarting", why)
+        self._status: tuple[str, str] = ("ok", "")  # ("ok" | "restarting" | "dead", why)
+        self.failure: str | None = None  # a stage failed: the pipeline restarts before next step
         self._done: list[Sequence] = []  # finished outside a step (max_tokens 0): next step's
         self.step_events: dict[tuple[int, int, int], list] = {}  # (step, stage, rank) -> spans
+
+    @property
+    def status(self) -> tuple[str, str]:
+        """("ok", ""), ("stalled", which worker is late), ("restarting", why) or ("dead", why);
+        read from any thread (/health)."""
+        st = self._status
+        if st[0] == "ok" and (late := getattr(self.pipeline, "stalled", None)):
+            return ("stalled", late)
+        return st
+
+    @status.setter
+    def status(self, value: tuple[str, str]) -> None:
+        self._status = value
 
     @property
     def has_work(self) -> bool:
@@ -98,7 +116,7 @@ class Coordinator:
             return seq
         self.scheduler.add(seq)
         if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, **_decode_kw(params))
+            seq.detok = IncrementalDetokenizer(self.tokenizer, params.stop, **_decode_kw(params))
         return seq
 
     def abort(self, seq: Sequence) -> None:
@@ -108,7 +126,10 @@ class Coordinator:
             seq.detok = None
 
     def step(self) -> list[Sequence]:
-        """Fill the pipeline with plans, then take one result. Returns sequences that finished."""
+        """Fill the pipeline with plans, then take one result. Returns sequences that finished
+        (those a stage failure failed included: the restart waits for the next call)."""
+        if self.failure is not None:
+            self.restart(self.failure)
         done, self._done = self._done, []
         try:
             while self.in_flight < self.sched_cfg.microbatches:
@@ -165,7 +186,7 @@ class Coordinator:
             s.text += s.detok.step(ids)
             if s.finished:
                 s.text += s.detok.finish(ids)
-            stops = StopStrings(p.stop) if p.stop else None
+            stops = s.detok.stops
             span = stops.span(s.text, new_from) if stops else None
         except Exception as e:  # this sequence's text alone: it fails, the others go on
             log.exception("sequence %d: detokenising failed", s.seq_id)
@@ -201,10 +222,27 @@ class Coordinator:
         while len(self.step_events) > EVENT_STEPS_KEPT:
             del self.step_events[next(iter(self.step_events))]
 
+    def poll(self) -> list[Sequence]:
+        """While idle: let the pipeline watch its workers. A failure found here fails what had
+        started (normally nothing) and makes a restart due, as in step()."""
+        watch = getattr(self.pipeline, "poll", None)
+        if watch is None or self.failure is not None:
+            return []
+        try:
+            watch()
+        except StageFailure as e:
+            return self._fail(e)
+        return []
+
     def _fail(self, e: StageFailure) -> list[Sequence]:
-        log.error("%s; failing the started requests and restarting the pipeline", e)
-        failed = self.fail_started(str(e))
-        self.restart(str(e))
+        log.error("%s; failing the started requests, then restarting the pipeline", e)
+        return self.fail(str(e))
+
+    def fail(self, why: str) -> list[Sequence]:
+        """Fail the started requests and make a restart due (step() or the engine loop runs it)."""
+        failed = self.fail_started(why)
+        self.failure = why
+        self.status = ("restarting", why)  # unhealthy from now, not from the restart
         return failed
 
     def fail_started(self, error: str) -> list[Sequence]:
@@ -220,6 +258,7 @@ class Coordinator:
         self.status = ("restarting", why)
         self.stats.restarts += 1
         self.pipeline.restart()
+        self.failure = None
         self.status = ("ok", "")
 
     def run(

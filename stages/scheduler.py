@@ -26,6 +26,7 @@ aborted sequence writes its old blocks before anyone else's does.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ class Sequence:
     draft: int | None = None
     in_flight: int = 0  # chunks of this sequence in the pipeline
     params_sent: bool = False  # the workers hold its sampling state
+    scheduled_at: float | None = None  # perf_counter() when first put in a plan (queue time)
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
     logprobs: list[dict] = field(default_factory=list)
@@ -202,6 +204,8 @@ class Scheduler:
         blocks, s.new_blocks = s.new_blocks + self.block_manager.grow(s.seq_id, b), []
         params = None if s.params_sent else s.params
         s.params_sent = True
+        if s.scheduled_at is None:
+            s.scheduled_at = time.perf_counter()
         if s.prefilling:
             final = b == s.prefill_to
             want_plp = (
