@@ -749,17 +749,17 @@ def run(args) -> int:
 
 
 def export(tr: Trainer, dst: Path) -> None:
-    """The shipped checkpoint: config.json, the byte tokenizer, bf16 weights (the router in fp32:
-    both runtimes keep it there)."""
+    """The shipped checkpoint: config.json, the byte tokenizer (ours, and as transformers'
+    tokenizer.json), bf16 weights (the router in fp32: both runtimes keep it there)."""
     from dist_glm5.checkpoint.safetensors_io import save_streaming
-    from dist_glm5.checkpoint.tokenizer import BYTE_TOKENIZER
+    from dist_glm5.checkpoint.tokenizer import write_tokenizer_files
 
     dst.mkdir(parents=True, exist_ok=True)
     sd = tr.hf_state_dict()
     fp32 = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
     sd = {k: v.float() if k.endswith(fp32) else v.to(torch.bfloat16) for k, v in sd.items()}
     (dst / "config.json").write_text(json.dumps(TRAIN_CONFIG, indent=2) + "\n")
-    (dst / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": BYTE_TOKENIZER}))
+    write_tokenizer_files(dst)
     save_streaming(dst / "model.safetensors", sd, metadata={"format": "pt"})
     log.info("exported %d tensors to %s", len(sd), dst)
     rep = {"heldout_loss_test_slice": heldout_loss(dst), "test_slice": TEST_SLICE}

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dist_glm5.checkpoint.safetensors_io import save_streaming
-from dist_glm5.checkpoint.tokenizer import BYTE_TOKENIZER
+from dist_glm5.checkpoint.tokenizer import write_tokenizer_files
 from dist_glm5.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,8 @@ def ensure_random_model() -> Path:
     tag = hashlib.sha256(raw + str(SEED).encode()).hexdigest()[:12]
     dst = cache_root() / "models" / f"default-{tag}"
     if (dst / "model.safetensors").exists():
+        if not (dst / "tokenizer.json").exists():  # made before it had transformers' tokenizer
+            write_tokenizer_files(dst)
         return dst
     cfg = ModelConfig.from_hf(json.loads(raw))
     log.info("creating the embedded default model in %s (first use)", dst)
@@ -81,7 +83,7 @@ def ensure_random_model() -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     (tmp / "config.json").write_bytes(raw)
-    (tmp / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": BYTE_TOKENIZER}))
+    write_tokenizer_files(tmp)
     save_streaming(tmp / "model.safetensors", random_weights(cfg, SEED), metadata={"format": "pt"})
     try:
         os.replace(tmp, dst)

@@ -1,0 +1,212 @@
+"""transformers' AutoTokenizer on the shipped model directory (and the random model's) is our
+ByteTokenizer exactly: ids of any text (multi-byte characters and the special tokens' text
+included), text of any id list (ids splitting a UTF-8 character, special ids, both settings of
+skip_special_tokens), the vocabulary, bos/eos/pad. Our own loader still takes ByteTokenizer there.
+
+transformers is a test dependency: without it this file fails (lm-eval and guidellm need it)."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+try:
+    from transformers import AutoTokenizer
+except Exception as e:  # not a skip: a missing transformers must not turn this file green
+    pytest.fail(f"transformers cannot be imported ({e}); pip install -e '.[test]'", pytrace=False)
+
+from dist_glm5.checkpoint.default_model import TRAINED_DIR, ensure_random_model
+from dist_glm5.checkpoint.tokenizer import (
+    BYTE_TOKENIZER,
+    ByteTokenizer,
+    load_tokenizer,
+    write_tokenizer_files,
+)
+
+OURS = ByteTokenizer()
+SPECIAL_TEXT = ["<bos>", "<eos>", "<pad>", "<|endoftext|>", "[gMASK]", "<sop>", "<|user|>"]
+SPECIAL_TEXT += ["<|assistant|>", "<|observation|>", "<|system|>", "<eos", "eos>", "<<eos>>"]
+SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return AutoTokenizer.from_pretrained(TRAINED_DIR)
+
+
+def corpus() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    code = (stdlib / "json" / "decoder.py").read_text(encoding="utf-8")
+    texts = [
+        "",
+        " ",
+        "  leading and trailing  ",
+        "Hello, world!",
+        "a\nb\r\nc\rd\te\x00f\x1b[0m\x7f",
+        "naïve café, Ærøskøbing, Straße, ǅ, ﬁ",  # precomposed, ligatures
+        "e\u0301 a\u0308 n\u0303",  # combining marks (no normalization)
+        "日本語のテキスト、中文，한국어",
+        "Ελληνικά, русский, עברית, العربية",
+        "😀 👍🏽 👨‍👩‍👧‍👦 🇫🇷 ♥️",  # 4-byte, modifiers, ZWJ, flags, variation selector
+        "\ufeffBOM \ufffd replacement \u200b zero width \u2028 line sep",
+        "\U0010ffff \U00010000 \u0800 \u07ff \x80 \xff",  # UTF-8 length boundaries
+        "def f(x):\n    return x ** 2  # comment\n",
+        code,
+        code * 40,  # ~0.5 MB
+    ]
+    texts += SPECIAL_TEXT
+    texts += ["x" + " ".join(SPECIAL_TEXT) + "y", "".join(SPECIAL_TEXT), "é<eos>€<bos>😀<pad>"]
+    return texts
+
+
+def check_text(hf, text: str) -> None:
+    ids = OURS.encode(text)
+    assert hf.encode(text) == ids
+    assert hf(text)["input_ids"] == ids
+    assert hf.encode(text, add_special_tokens=False) == ids
+    for skip in (True, False):
+        assert hf.decode(ids, skip_special_tokens=skip) == text == OURS.decode(ids, skip)
+
+
+def check_ids(hf, ids: list[int]) -> None:
+    for skip in (True, False):
+        assert hf.decode(ids, skip_special_tokens=skip) == OURS.decode(ids, skip), (ids, skip)
+
+
+# ---- the directory -------------------------------------------------------------------------------
+def test_our_loader_keeps_the_byte_tokenizer():
+    assert type(load_tokenizer(TRAINED_DIR)) is ByteTokenizer
+    assert (TRAINED_DIR / "tokenizer.json").exists()
+
+
+def test_vocabulary_and_special_tokens(hf):
+    cfg = json.loads((TRAINED_DIR / "config.json").read_text())
+    assert len(hf) == OURS.vocab_size == cfg["vocab_size"] == 259
+    assert hf.bos_token_id == OURS.bos_id == cfg["bos_token_id"]
+    assert [hf.eos_token_id] == [OURS.eos_id] == cfg["eos_token_id"]
+    assert hf.pad_token_id == OURS.pad_id == cfg["pad_token_id"]
+    special = {i: OURS.SPECIAL[i] for i in sorted(OURS.SPECIAL)}
+    assert dict(zip(hf.all_special_ids, hf.all_special_tokens, strict=True)) == special
+    assert hf.convert_ids_to_tokens(list(special)) == list(special.values())
+    assert sorted(hf.get_vocab().values()) == list(range(259))
+    # the chat template: the same as the directory's (none: our server writes role tags itself)
+    tc = json.loads((TRAINED_DIR / "tokenizer_config.json").read_text())
+    assert hf.chat_template == tc.get("chat_template") is None
+    assert not (TRAINED_DIR / "chat_template.jinja").exists()
+
+
+def test_every_single_byte_and_special_id(hf):
+    for i in range(OURS.vocab_size):
+        check_ids(hf, [i])
+        check_ids(hf, [65, i, 66])
+    assert [hf.convert_tokens_to_ids(t) for t in hf.convert_ids_to_tokens(list(range(259)))] == (
+        list(range(259))
+    )
+
+
+# ---- encode --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("i", range(len(corpus())))
+def test_corpus(hf, i):
+    check_text(hf, corpus()[i])
+
+
+def test_batch(hf):
+    texts = corpus()[:20]
+    assert hf(texts)["input_ids"] == [OURS.encode(t) for t in texts]
+    ids = [OURS.encode(t) for t in texts]
+    assert hf.batch_decode(ids) == texts
+
+
+@SETTINGS
+@given(st.text())
+def test_any_text(hf, text):
+    check_text(hf, text)
+
+
+@SETTINGS
+@given(st.lists(st.one_of(st.text(max_size=8), st.sampled_from(SPECIAL_TEXT)), max_size=12))
+def test_text_around_special_tokens_text(hf, parts):
+    check_text(hf, "".join(parts))
+
+
+# ---- decode --------------------------------------------------------------------------------------
+UTF8_SPLITS = [
+    [0xE2, 257, 0x82, 0xAC],  # "€" cut by a special token
+    [0xF0, 0x9F, 256, 0x98, 0x80, 258],  # "😀" likewise
+    [0xE2, 0x82],  # truncated at the end
+    [0x82, 0xAC, 104],  # continuation bytes first
+    [0xC0, 0x80, 0xED, 0xA0, 0x80, 0xF4, 0x90, 0x80, 0x80, 0xF5, 0xFF],  # overlong, surrogate, >max
+    [0xF0, 0x9F, 0x98, 0x41, 0xE2, 0x28, 0xA1],  # invalid continuations
+]
+
+
+@pytest.mark.parametrize("ids", UTF8_SPLITS)
+def test_ids_splitting_characters(hf, ids):
+    check_ids(hf, ids)
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 258), max_size=64))
+def test_any_ids(hf, ids):
+    check_ids(hf, ids)
+
+
+# mostly the bytes of multi-byte characters (leads and continuations) and the special ids
+NON_ASCII = st.one_of(st.integers(0x80, 0xFF), st.integers(0x80, 0xBF), st.integers(256, 258))
+
+
+@SETTINGS
+@given(st.lists(st.one_of(NON_ASCII, st.integers(0, 258)), max_size=64))
+def test_ids_mostly_non_ascii(hf, ids):
+    check_ids(hf, ids)
+
+
+@SETTINGS
+@given(st.text(min_size=1), st.data())
+def test_characters_cut_anywhere(hf, text, data):
+    ids = OURS.encode(text)
+    at = data.draw(st.lists(st.integers(0, len(ids)), max_size=4))
+    for i in sorted(at, reverse=True):
+        ids.insert(i, data.draw(st.integers(256, 258)))
+    check_ids(hf, ids)
+    check_ids(hf, ids[: data.draw(st.integers(0, len(ids)))])
+
+
+# ---- the writer (the trainer's export and the random model use it) -------------------------------
+def test_written_files_equal_the_shipped_ones(tmp_path):
+    write_tokenizer_files(tmp_path)
+    for name in ("tokenizer_config.json",):
+        assert json.loads((tmp_path / name).read_text()) == json.loads(
+            (TRAINED_DIR / name).read_text()
+        )
+    new, shipped = (json.loads((d / "tokenizer.json").read_text()) for d in (tmp_path, TRAINED_DIR))
+    for key in ("added_tokens", "normalizer", "pre_tokenizer", "post_processor", "decoder"):
+        assert new[key] == shipped[key], key
+    assert new["model"]["vocab"] == shipped["model"]["vocab"]
+    assert new["model"]["merges"] == shipped["model"]["merges"] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] != (
+        BYTE_TOKENIZER
+    )
+
+
+def test_random_model_directory():
+    d = ensure_random_model()
+    assert type(load_tokenizer(d)) is ByteTokenizer
+    hf = AutoTokenizer.from_pretrained(d)
+    assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id, len(hf)) == (256, 257, 258, 259)
+    for text in corpus()[:-2]:
+        check_text(hf, text)
+    for ids in UTF8_SPLITS:
+        check_ids(hf, ids)
+
+
+def test_old_directory_still_takes_the_byte_tokenizer(tmp_path):
+    """A directory written before (only {"tokenizer_class": BYTE_TOKENIZER})."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": BYTE_TOKENIZER}))
+    assert type(load_tokenizer(tmp_path)) is ByteTokenizer
