@@ -14,12 +14,69 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+import logging
+import os
+import random
+import re
+import time
+from dataclasses import dataclass, field, fields
+
+log = logging.getLogger(__name__)
 
 KINDS = ("json_object", "json_schema", "regex", "lark", "tool_calls")
 # Compact JSON (no free whitespace between tokens): whitespace the grammar allows anywhere is
 # what a weak model loops on.
 JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """llguidance's parser limits (its `LLParserLimits`, same names and defaults) plus how far the
+    edge walks a grammar before accepting it. Carried inside each GrammarSpec, so the last stage
+    compiles a grammar under exactly the limits the server checked it with. Each is set by the
+    environment variable DIST_GLM5_GRAMMAR_<NAME> (read once per process, by the server)."""
+
+    max_items_in_row: int = 2000  # Earley items per row (branching of one production)
+    initial_lexer_fuel: int = 1_000_000  # building the lexer's regexes (~50k/ms)
+    step_lexer_fuel: int = 200_000  # lexer work per token mask (~14k/ms)
+    step_max_items: int = 50_000  # Earley items per token mask (~20k/ms)
+    max_lexer_states: int = 250_000  # lexer DFA states (1-2 kB each)
+    max_grammar_size: int = 500_000  # symbols in the grammar's productions
+    check_tokens: int = 32  # the edge's probe walk: tokens consumed after the first mask
+
+    @classmethod
+    def from_env(cls, environ=None) -> GrammarLimits:
+        environ = os.environ if environ is None else environ
+        kw = {}
+        for f in fields(cls):
+            name = f"DIST_GLM5_GRAMMAR_{f.name.upper()}"
+            if (v := environ.get(name)) is None:
+                continue
+            if not v.strip().isdigit():
+                raise ValueError(f"{name}={v!r}: give a whole number >= 0")
+            kw[f.name] = int(v)
+        return cls(**kw)
+
+    def ll(self):
+        """llguidance's LLParserLimits. verbose_errors off: its errors would otherwise carry the
+        parser state and our internal grammar to the client."""
+        import llguidance
+
+        kw = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "check_tokens"}
+        return llguidance.LLParserLimits(**kw, precompute_large_lexemes=True, verbose_errors=False)
+
+
+@functools.cache
+def default_limits() -> GrammarLimits:
+    return GrammarLimits.from_env()
+
+
+class GrammarError(ValueError):
+    """A grammar the edge refuses. why: "invalid", "too_large" or "unsatisfiable"."""
+
+    def __init__(self, why: str, message: str):
+        super().__init__(message)
+        self.why = why
 
 
 @dataclass(frozen=True)
@@ -30,6 +87,7 @@ class GrammarSpec:
     text: str = ""
     min_calls: int = 1  # tool_calls: at least this many calls
     max_calls: int = 0  # tool_calls: at most this many (0: no limit)
+    limits: GrammarLimits = field(default_factory=default_limits)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -67,12 +125,74 @@ def _raw_string_rule(name: str, schema: dict) -> str | None:
     if "const" in schema or "enum" in schema:
         values = [schema["const"]] if "const" in schema else schema["enum"]
         return f'{name}: ({" | ".join(_lark_str(str(v)) for v in values)}) "</arg_value>"'
-    if "pattern" in schema:  # JSON schema patterns are searched for, not anchored
-        body = f"{_ANY}*({schema['pattern']}){_ANY}*"
+    if "pattern" in schema:
+        body = pattern_regex(schema["pattern"])
     else:
         lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
         body = f"{_ANY}{{{lo},{'' if hi is None else int(hi)}}}"
     return f"{name}[lazy]: /({body})<\\/arg_value>/"
+
+
+def _top_level_alternatives(pattern: str) -> list[str]:
+    """The pattern split at its top-level `|` (escapes, classes and groups respected); a
+    ValueError if a group or class is left open or closed twice: such a pattern could otherwise
+    reach outside the group it is embedded in."""
+    alts, start, depth, i, in_class = [], 0, 0, 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            if i + 1 == len(pattern):
+                raise ValueError("pattern ends with a lone backslash")
+            i += 2
+            continue
+        if in_class:
+            if c == "]":
+                in_class = False
+            elif c == "[" and pattern.startswith("[:", i):  # POSIX class inside a class
+                end = pattern.find(":]", i + 2)
+                i = end + 1 if end >= 0 else i
+        elif c == "[":
+            in_class = True
+            # a `]` (or `^]`) right after the opening bracket is a literal
+            j = i + 1 + (pattern[i + 1 : i + 2] == "^")
+            if pattern[j : j + 1] == "]":
+                i = j
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth < 0:
+                raise ValueError("pattern has an unbalanced ')'")
+        elif c == "|" and depth == 0:
+            alts.append(pattern[start:i])
+            start = i + 1
+        i += 1
+    if in_class or depth:
+        raise ValueError("pattern has an unclosed group or class")
+    return alts + [pattern[start:]]
+
+
+def pattern_regex(pattern: str) -> str:
+    """A JSON-schema `pattern` as a regex for a whole value, safe inside Lark's /.../.
+
+    JSON schema searches for a pattern (ECMA-262), so each top-level alternative is wrapped in
+    `.*` where it is not anchored by a leading `^` / trailing `$` (llguidance has no anchors
+    inside a regex; an anchor elsewhere stays and is refused by its compiler). `/` and newlines
+    are escaped and \\d, \\w are ASCII, as in llguidance's own JSON-schema compiler
+    (`regex_to_lark(p, "dw")`); each alternative sits in its own group, which the balance check
+    above keeps it inside: a pattern can neither end the regex nor add a rule."""
+    from llguidance import regex_to_lark
+
+    if not isinstance(pattern, str):
+        raise ValueError("pattern must be a string")
+    out = []
+    for alt in _top_level_alternatives(pattern):
+        head = alt.startswith("^")
+        escapes = len(alt[:-1]) - len(alt[:-1].rstrip("\\"))  # backslashes before a last `$`
+        tail = alt.endswith("$") and escapes % 2 == 0 and len(alt) > int(head)
+        core = alt[int(head) : len(alt) - int(tail)]
+        out.append(f"{'' if head else _ANY + '*'}(?:{core}){'' if tail else _ANY + '*'}")
+    return regex_to_lark("(?:" + "|".join(out) + ")", "dw")
 
 
 def tool_call_lark(functions: list[dict], min_calls: int = 1, max_calls: int = 0) -> str:
@@ -84,7 +204,10 @@ def tool_call_lark(functions: list[dict], min_calls: int = 1, max_calls: int = 0
         optional = [k for k in props if k not in required]
         parts = []
         for j, key in enumerate(required + optional):
-            raw = _raw_string_rule(f"val_{i}_{j}", props[key])
+            try:
+                raw = _raw_string_rule(f"val_{i}_{j}", props[key])
+            except ValueError as e:
+                raise GrammarError("invalid", f"property {key!r}: {e}") from None
             if raw is None:  # compact JSON, as for response_format (free whitespace loops)
                 schema = {**props[key], "x-guidance": JSON_OPTIONS}
                 value = f'%json {json.dumps(schema)} "</arg_value>"'
@@ -129,13 +252,103 @@ def grammar_text(spec: GrammarSpec) -> str:
     return LLMatcher.grammar_from_lark(tool_call_lark(fs, spec.min_calls, spec.max_calls))
 
 
-def validate(spec: GrammarSpec, tokenizer) -> None:
-    """Raise ValueError naming the problem if the spec does not compile (checked at the edge)."""
-    from llguidance import LLMatcher
+# ---- the edge's check: compile as the last stage will, then walk a little ---------------------
+_UNSATISFIABLE = ("NoExtension", "NoExtensionBias")
+_TOO_LARGE = ("too many", "too big", "too large", "fuel", "limit", "TooComplex", "MaxTokens")
 
-    err = LLMatcher.validate_grammar(grammar_text(spec), ll_tokenizer(tokenizer))
-    if err:
-        raise ValueError(f"{spec.kind} grammar does not compile: {err}")
+
+def public_error(err: str, kind: str) -> str:
+    """llguidance's message without what is ours: the parser state, the excerpt of the grammar
+    it compiled (for every kind but a client's own Lark it is our wrapping, and for tool calls
+    our whole internal grammar), and the regexes quoted from it."""
+    err = re.split(r"\n?<(?:state|non-verbose/)>", err, maxsplit=1)[0]
+    lines = []
+    for line in err.splitlines():
+        if re.match(r"\s*\d+ \| ", line) or not line.strip(" ^"):
+            continue  # a source excerpt and its caret
+        lines.append(line.strip())
+    out = " ".join(lines)
+    if kind != "lark":
+        out = re.sub(r"^at \d+\(\d+\): ", "", out)
+        out = re.sub(r'invalid regex ".*?" \(in [^)]*\)', "invalid regex", out)
+        out = re.sub(r" in regex /.*$", "", out)
+    return out[:400] or "unknown error"
+
+
+def _refusal(kind: str, err: str, stop_reason: str = "") -> GrammarError:
+    text = public_error(err, kind)
+    if stop_reason in _UNSATISFIABLE or err.startswith(_UNSATISFIABLE):  # stopped at once
+        return GrammarError(
+            "unsatisfiable", f"{kind} grammar cannot be satisfied (no output matches it)"
+        )
+    if "nsatisfiable" in err:  # llguidance's JSON compiler saw it (e.g. minimum > maximum)
+        return GrammarError("unsatisfiable", f"{kind} grammar cannot be satisfied ({text})")
+    if stop_reason in ("LexerTooComplex", "ParserTooComplex") or any(w in err for w in _TOO_LARGE):
+        return GrammarError(
+            "too_large", f"{kind} grammar is too large for this server's grammar limits ({text})"
+        )
+    return GrammarError("invalid", f"{kind} grammar does not compile: {text}")
+
+
+def _compile(spec: GrammarSpec, ll_tok):
+    """The llguidance matcher of a spec, exactly as the last stage builds it, or a GrammarError.
+    Building it drops the GIL (llguidance's own note: 100-1000 ms for extreme grammars)."""
+    import llguidance
+
+    try:
+        text = grammar_text(spec)
+    except GrammarError:
+        raise
+    except ValueError as e:  # not JSON, or a schema llguidance cannot read at all
+        raise GrammarError("invalid", public_error(str(e), spec.kind)) from None
+    m = llguidance.LLMatcher(ll_tok, text, log_level=0, limits=spec.limits.ll())
+    if m.is_error():
+        raise _refusal(spec.kind, m.get_error(), m.stop_reason())
+    return m
+
+
+def check(spec: GrammarSpec, tokenizer) -> float:
+    """Refuse (GrammarError) a spec the last stage could not serve; -> seconds it took.
+
+    The matcher is the worker's (same grammar text, same limits). Its first mask shows an
+    unsatisfiable grammar (llguidance stops at once: no token, no end). A grammar too large for
+    the limits fails either when built or, for a long forced run such as `a{1000000}`, only at
+    the next token (the mask step spends the lexer's fuel and the error waits for a consume): so
+    the check walks `limits.check_tokens` tokens, each drawn from the mask (seeded: the same
+    grammar gets the same answer), and refuses any error or dead end met on the way. A walk is
+    not a proof: a limit hit only deep in a rarely taken branch still fails in the worker.
+    Every llguidance call here that can take long (build, mask) drops the GIL."""
+    import numpy as np
+
+    t0 = time.perf_counter()
+    ll_tok = ll_tokenizer(tokenizer)
+    m = _compile(spec, ll_tok)
+    ends = set(ll_tok.eos_tokens)
+    rng = random.Random(0)
+    for step in range(spec.limits.check_tokens + 1):
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little")
+        if m.is_error():
+            raise _refusal(spec.kind, m.get_error(), m.stop_reason())
+        choices = [t for t in np.flatnonzero(bits).tolist() if t not in ends]
+        if not choices:
+            if m.is_accepting() or m.is_stopped():
+                break  # complete: only EOS is left
+            where = f"a dead end after {step} tokens" if step else "no output matches it"
+            raise GrammarError(
+                "unsatisfiable", f"{spec.kind} grammar cannot be satisfied ({where})"
+            )
+        if step == spec.limits.check_tokens:
+            break
+        if not m.consume_token(rng.choice(choices)):
+            raise _refusal(spec.kind, m.get_error(), m.stop_reason())
+    dt = time.perf_counter() - t0
+    log.debug("%s grammar checked in %.1f ms", spec.kind, dt * 1e3)
+    return dt
+
+
+def validate(spec: GrammarSpec, tokenizer) -> None:
+    """The edge's check (see `check`): a GrammarError (a ValueError) says what is wrong."""
+    check(spec, tokenizer)
 
 
 # ---- our tokenizers as llguidance tokenizers ----------------------------------------------------
@@ -177,9 +390,12 @@ class GrammarMatcher:
 
         self.vocab_size = vocab_size
         self.eos = eos
-        self.m = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar_text(spec), log_level=0)
+        # the edge checked this grammar under these same limits (GrammarSpec.limits)
+        self.m = llguidance.LLMatcher(
+            ll_tokenizer(tokenizer), grammar_text(spec), log_level=0, limits=spec.limits.ll()
+        )
         if self.m.is_error():
-            raise ValueError(f"{spec.kind} grammar does not compile: {self.m.get_error()}")
+            raise _refusal(spec.kind, self.m.get_error(), self.m.stop_reason())
 
     def allowed(self):
         """-> bool [vocab_size]: tokens the grammar allows next (EOS only where it may end)."""

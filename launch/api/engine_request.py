@@ -15,13 +15,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dist_glm5.sampling.grammar import GrammarSpec, validate
+from dist_glm5.sampling.grammar import GrammarSpec
 from dist_glm5.sampling.params import SamplingParams
 
 from .chat_template import ChatTemplate
 from .errors import ApiError
 from .limits import DEFAULT_LIMITS, Limits
 from .protocol import ChatCompletionRequest, CompletionRequest, Request
+from .structured_checks import check_grammar, check_tool_parameters, tool_grammar
 
 log = logging.getLogger(__name__)
 
@@ -212,28 +213,26 @@ def _tools(req: ChatCompletionRequest, m: ModelInfo) -> tuple[dict | None, Gramm
             raise ApiError(400, "tool_choice needs tools", "tool_choice")
         return None, None
     funcs = {}
-    for t in req.tools:
+    for i, t in enumerate(req.tools):
         if t.function.name in funcs:
             raise ApiError(400, f"two tools are named {t.function.name!r}", "tools")
+        check_tool_parameters(i, t.function.parameters)
         funcs[t.function.name] = t.function.parameters or {"type": "object", "properties": {}}
     choice = choice or "auto"
     if choice == "none":
         return None, None
     if choice == "auto":
         return funcs, None
-    if isinstance(choice, str):  # "required"
-        named = list(funcs)
+    if isinstance(choice, str):  # "required": one call or more, one without parallel calls
+        named, most = list(funcs), 1 if req.parallel_tool_calls is False else 0
     else:
         if choice.function.name not in funcs:
             raise ApiError(
                 400, f"tool_choice names {choice.function.name!r}, which is not in tools",
                 "tool_choice",
             )  # fmt: skip
-        named = [choice.function.name]
-    functions = [{"name": k, "parameters": funcs[k]} for k in named]
-    spec = GrammarSpec.tool_calls(functions, 1, 1 if req.parallel_tool_calls is False else 0)
-    _validate_grammar(spec, m, "tools")
-    return funcs, spec
+        named, most = [choice.function.name], 1  # as OpenAI and vLLM: exactly one call of it
+    return funcs, tool_grammar(req.tools, named, most, m.tokenizer)
 
 
 def _grammar(req: Request, m: ModelInfo) -> GrammarSpec | None:
@@ -274,12 +273,7 @@ def _grammar(req: Request, m: ModelInfo) -> GrammarSpec | None:
 
 
 def _validate_grammar(spec: GrammarSpec, m: ModelInfo, param: str) -> None:
-    if m.tokenizer is None:
-        raise ApiError(400, f"{param}: structured output needs the model's tokenizer", param)
-    try:
-        validate(spec, m.tokenizer)
-    except Exception as e:  # the grammar engine's own errors say what it cannot compile
-        raise ApiError(400, f"{param}: {e}", param) from None
+    check_grammar(spec, m.tokenizer, param)  # compiled as the last stage will: a 400 if not
 
 
 def _common_checks(req: Request, m: ModelInfo) -> None:
