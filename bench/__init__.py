@@ -14,8 +14,11 @@ def register(p: argparse.ArgumentParser) -> None:
         engine_host,
         generate_vs_hf,
         kernels,
+        link_faults,
         longctx,
+        netns,
         pipeline,
+        probe_server,
         quality,
         roofline,
         serve,
@@ -88,4 +91,24 @@ def register(p: argparse.ArgumentParser) -> None:
     )
     generate_vs_hf.register(
         sub.add_parser("generate", help="generate() against transformers, prefill and decode tok/s")
+    )
+    netns.register(
+        sub.add_parser(
+            "netns",
+            help="two Ray nodes on one machine: network namespaces + veth (up, down, status, exec)",
+        )
+    )
+    link_faults.register(
+        sub.add_parser(
+            "link-faults",
+            help="two-node serving under tc netem delay, loss and a cut link: exact or failed, "
+            "never hung",
+        )
+    )
+    probe_server.register(
+        sub.add_parser(
+            "probe-server",
+            help="a live server under poison requests and an idle/slowloris socket flood: "
+            "status, /health latency, an innocent stream's gaps and exactness",
+        )
     )

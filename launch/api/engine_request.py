@@ -113,7 +113,7 @@ def completion_request(
             400,
             f"{len(batch)} prompts x n={req.n} is more than {limits.max_choices} choices in one "
             "request (--max-choices)",
-            "prompt" if len(batch) > 1 else "n",
+            "n" if req.n > 1 else "prompt",
             "limit_exceeded",
         )
     prompts, texts = [], []
@@ -321,12 +321,12 @@ def _engine_request(
             400, f"min_tokens={req.min_tokens} is more than max_tokens={max_tokens}", "min_tokens"
         )
     # every list is bounded before anything walks it (each limit names its flag)
+    limits.check("stop", 1 if isinstance(req.stop, str) else len(req.stop or ()), "max_stop")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(dict.fromkeys(req.stop or ()))
-    limits.check("stop", len(stop), "max_stop")
     if stop and m.tokenizer is None:
         raise ApiError(400, "stop strings need a tokenizer; use stop_token_ids", "stop")
+    limits.check("stop_token_ids", len(req.stop_token_ids or ()), "max_stop_token_ids")
     stop_ids = tuple(dict.fromkeys(req.stop_token_ids or ()))
-    limits.check("stop_token_ids", len(stop_ids), "max_stop_token_ids")
     _check_ids(stop_ids, m, "stop_token_ids")
     limits.check("bad_words", len(req.bad_words or ()), "max_bad_words")
     limits.check("logit_bias", len(req.logit_bias or ()), "max_logit_bias")

@@ -21,10 +21,10 @@ class Limits:
     header_timeout: float = 10.0  # seconds for a request's head (a new or kept-alive socket)
     keep_alive_timeout: float = 15.0  # seconds an idle keep-alive connection stays open
     # a request body (launch/api/body.py)
-    max_body_bytes: int = 32 << 20  # a 637K-token prompt as JSON token ids is ~5 MB
+    max_body_bytes: int = 8 << 20  # a 637K-token prompt as JSON token ids is ~5 MB
     body_timeout: float = 30.0  # seconds to receive the whole body once the head is in
     # one request's fields (launch/api/engine_request.py)
-    max_prompt_chars: int = 8 << 20  # text to tokenize, per prompt or chat
+    max_prompt_chars: int = 4 << 20  # text to tokenize, per prompt or chat (~1M tokens or more)
     max_choices: int = 16  # prompts x n (each choice is its own sequence)
     max_stop: int = 64  # stop strings (matched on every step's text)
     max_stop_token_ids: int = 1024
