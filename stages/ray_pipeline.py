@@ -260,11 +260,11 @@ class RayPipeline:
         now = time.monotonic()
         return sorted(((k, now - t) for k, t in self.beats.items()), key=lambda x: -x[1])
 
-    def _watch(self, force: bool = False) -> None:
+    def _watch(self) -> None:
         """Every message that arrived has been read (silence is real): fail a dead worker or one
         silent past the heartbeat timeout; flag one that is late."""
         now = time.monotonic()
-        if not force and now - self._watched < WATCH_EVERY_S:
+        if now - self._watched < WATCH_EVERY_S:
             return
         self._watched = now
         self._check_alive()
@@ -327,16 +327,18 @@ class RayPipeline:
         """No result within the step timeout: name the earliest worker that has not finished the
         oldest outstanding step (a stage runs only after the one before it)."""
         step = min(self.outstanding) if self.outstanding else -1
+        now = time.monotonic()
         for spec in self.specs:
             k = (spec.stage, spec.rank)
             if self.done.get(k, -1) < step:
                 on = self.working.get(k)
-                where = f"working on step {on}" if on is not None else "idle"
                 return StageFailure(
                     spec.stage,
                     spec.rank,
-                    f"step {step} not done within the step timeout ({timeout:g}s); this worker "
-                    f"beats but is stuck ({where}, last finished step {self.done.get(k, -1)})",
+                    f"step {step} not done within the step timeout ({timeout:g}s): "
+                    f"{f'working on step {on}' if on is not None else 'idle'}, last finished "
+                    f"step {self.done.get(k, -1)}, last heartbeat "
+                    f"{now - self.beats.get(k, now):.1f}s ago",
                 )
         last = self.specs[-1]
         return StageFailure(last.stage, last.rank, f"no result for step {step} within {timeout:g}s")
