@@ -116,21 +116,31 @@ def _lark_str(s: str) -> str:
     return json.dumps(s)  # a Lark string literal is a JSON string literal
 
 
+# A raw value cannot hold a closing tag: the reader (launch/api/tool_calls.py) cuts it at the first.
+_NO_TAG = "~/(?s:.)*<\\/(arg_value|tool_call)>(?s:.)*/"
+
+
 def _raw_string_rule(name: str, schema: dict) -> str | None:
-    """A Lark rule for a string property written raw and closed by </arg_value>, or None if it
+    """Lark rules for a string property written raw and closed by </arg_value>, or None if it
     is not a string. A lexeme that may contain '<' cannot be followed by a literal tag (the lexer
-    is greedy), so the value and its tag are one lazy lexeme: it ends at the first tag."""
+    is greedy), so the value and its tag are one lazy lexeme (a terminal: the value's pattern,
+    its length and _NO_TAG intersected, then the tag); it ends at the first tag."""
     if schema.get("type") != "string":
         return None
     if "const" in schema or "enum" in schema:
         values = [schema["const"]] if "const" in schema else schema["enum"]
         return f'{name}: ({" | ".join(_lark_str(str(v)) for v in values)}) "</arg_value>"'
-    if "pattern" in schema:
-        body = pattern_regex(schema["pattern"])
-    else:
-        lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
-        body = f"{_ANY}{{{lo},{'' if hi is None else int(hi)}}}"
-    return f"{name}[lazy]: /({body})<\\/arg_value>/"
+    parts = [f"/{pattern_regex(schema['pattern'])}/"] if "pattern" in schema else []
+    lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
+    if not parts or lo or hi is not None:
+        parts.append(f"/{_ANY}{{{lo},{'' if hi is None else int(hi)}}}/")
+    terminal = name.upper()
+    return "\n".join(
+        [
+            f'{terminal}: ({" & ".join([*parts, _NO_TAG])}) "</arg_value>"',
+            f"{name}[lazy]: {terminal}",
+        ]
+    )
 
 
 def _top_level_alternatives(pattern: str) -> list[str]:
@@ -266,6 +276,8 @@ def public_error(err: str, kind: str) -> str:
     for line in err.splitlines():
         if re.match(r"\s*\d+ \| ", line) or not line.strip(" ^"):
             continue  # a source excerpt and its caret
+        if kind != "lark" and line[:1].isspace():
+            continue  # an indented excerpt: the regex as we wrapped it
         lines.append(line.strip())
     out = " ".join(lines)
     if kind != "lark":
@@ -314,36 +326,81 @@ def check(spec: GrammarSpec, tokenizer) -> float:
     unsatisfiable grammar (llguidance stops at once: no token, no end). A grammar too large for
     the limits fails either when built or, for a long forced run such as `a{1000000}`, only at
     the next token (the mask step spends the lexer's fuel and the error waits for a consume): so
-    the check walks `limits.check_tokens` tokens, each drawn from the mask (seeded: the same
-    grammar gets the same answer), and refuses any error or dead end met on the way. A walk is
+    the check walks on, drawing each token from the mask (seeded: the same grammar gets the same
+    answer) until `limits.check_tokens` real choices are made, and refuses any error or dead end
+    met on the way. A walk is
     not a proof: a limit hit only deep in a rarely taken branch still fails in the worker.
-    Every llguidance call here that can take long (build, mask) drops the GIL."""
+    Every llguidance call here that can take long (build, mask, consume) runs without the GIL:
+    a server thread can run this beside its event loop."""
+    import llguidance
     import numpy as np
 
     t0 = time.perf_counter()
     ll_tok = ll_tokenizer(tokenizer)
     m = _compile(spec, ll_tok)
-    ends = set(ll_tok.eos_tokens)
+    ends = list(ll_tok.eos_tokens)
     rng = random.Random(0)
-    for step in range(spec.limits.check_tokens + 1):
-        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little")
+    pad = llguidance.LLMatcher(ll_tok, _PAD_GRAMMAR, log_level=0)
+    pad = (pad, int(_allowed(pad)[0]))
+    choices_made = 0
+    for step in range(spec.limits.check_tokens + _MAX_FORCED):
+        allowed = _allowed(m)
         if m.is_error():
             raise _refusal(spec.kind, m.get_error(), m.stop_reason())
-        choices = [t for t in np.flatnonzero(bits).tolist() if t not in ends]
-        if not choices:
+        choices = allowed[~np.isin(allowed, ends)]
+        if not len(choices):
             if m.is_accepting() or m.is_stopped():
                 break  # complete: only EOS is left
-            where = f"a dead end after {step} tokens" if step else "no output matches it"
-            raise GrammarError(
-                "unsatisfiable", f"{spec.kind} grammar cannot be satisfied ({where})"
+            if not step:
+                raise GrammarError(
+                    "unsatisfiable",
+                    f"{spec.kind} grammar cannot be satisfied (no output matches it)",
+                )
+            raise GrammarError(  # the worker would fail a sequence that got here
+                "unsatisfiable",
+                f"{spec.kind} grammar cannot be satisfied (a dead end after {step} tokens)",
             )
-        if step == spec.limits.check_tokens:
+        # forced steps are free (up to _MAX_FORCED): a prefix such as `<tool_call>name<arg_key>`
+        # must not use up the walk before the values it leads to
+        choices_made += len(choices) > 1
+        if choices_made > spec.limits.check_tokens:
             break
-        if not m.consume_token(rng.choice(choices)):
+        if not _consume(m, int(choices[rng.randrange(len(choices))]), pad):
             raise _refusal(spec.kind, m.get_error(), m.stop_reason())
     dt = time.perf_counter() - t0
     log.debug("%s grammar checked in %.1f ms", spec.kind, dt * 1e3)
     return dt
+
+
+_MAX_FORCED = 1024  # forced tokens the walk follows beyond its check_tokens choices
+
+
+def _allowed(m):
+    """The token ids m's next mask allows (computed without the GIL)."""
+    import numpy as np
+
+    bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little")
+    return np.flatnonzero(bits)
+
+
+_PAD_GRAMMAR = '{"grammars": [{"lark_grammar": "start: /(?s:.)*/"}]}'
+
+
+@functools.cache
+def _executor():
+    import llguidance
+
+    return llguidance.LLExecutor(num_threads=1)
+
+
+def _consume(m, token: int, pad: tuple) -> bool:
+    """m.consume_token(token) without the GIL: where a forced run spent the lexer's fuel the
+    consume is what fails, after tens of ms of lexer work, and LLMatcher.consume_token holds the
+    GIL throughout. llguidance's parallel consume drops it, for two matchers or more: the second
+    is a pad (matcher, token) that takes any token, rolled back at once."""
+    ok, _ = _executor().consume_token_par([(m, token), pad])
+    pad[0].rollback(1)
+    return ok
 
 
 def validate(spec: GrammarSpec, tokenizer) -> None:
