@@ -4,9 +4,12 @@ Run it against a server of ours (`launch single-node ...`) on this machine; it s
 that URL only, bounded in count and time, and stops by itself. Two parts:
 
 - poison: each poison request is sent while an innocent greedy stream runs and a poller asks
-  /health every 10 ms. Per poison: its status (and the field its 400 names), the worst /health
-  latency while it ran (the event loop's stall, as a client sees it), the innocent stream's worst
-  gap between chunks, and whether its text equals the same stream run alone.
+  /health every 10 ms. Per poison: its status (and the field its 400 names), the worst event-loop
+  lag while it ran (the server's own `dist_glm5_event_loop_lag_seconds` histogram, scraped before
+  and after: the bucket bound that holds every new observation), the worst /health latency (as a
+  client sees it, this probe's own pauses included), the innocent stream's worst gap between
+  chunks (it shares the engine's steps with the poison), and whether its text equals its solo
+  run.
 - flood: `--idle` sockets that never send a byte and `--slowloris` sockets that send a request
   head a byte at a time; meanwhile /health and short completions are timed (p50, p99, failures);
   then how long until the server has closed the idle and slow sockets.
@@ -36,6 +39,7 @@ class PoisonResult:
     status: int
     param: str | None
     seconds: float  # the poison request's own latency
+    loop_lag_ms: float  # the worst server loop lag while it ran (<= this bucket bound)
     health_p100_ms: float  # the worst /health latency while it ran
     stream_gap_ms: float  # the innocent stream's worst gap between chunks
     stream_exact: bool  # the innocent stream's text equals its solo run
@@ -125,6 +129,28 @@ class HealthPoller:
         self.client.close()
 
 
+def lag_buckets(client, auth: dict) -> dict[float, float]:
+    """The server's loop-lag histogram: upper bound (s) -> cumulative count."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = client.get("/metrics", headers=auth).text
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "dist_glm5_event_loop_lag_seconds":
+            return {
+                float(s.labels["le"]): s.value for s in fam.samples if s.name.endswith("_bucket")
+            }
+    raise RuntimeError("the server exports no dist_glm5_event_loop_lag_seconds (an old build?)")
+
+
+def worst_lag(before: dict[float, float], after: dict[float, float]) -> float:
+    """The smallest bucket bound that holds every observation made between two scrapes."""
+    total = after[float("inf")] - before.get(float("inf"), 0)
+    for bound in sorted(after):
+        if after[bound] - before.get(bound, 0) >= total:
+            return 0.0 if total == 0 else bound
+    return float("inf")
+
+
 def _stream(client, auth: dict, prompt: str, max_tokens: int) -> tuple[str, float]:
     """An innocent greedy stream: its text and its worst gap between chunks."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
@@ -157,11 +183,12 @@ def run_poison(
                 box["text"], box["gap"] = _stream(client, auth, prompt, innocent_tokens)
 
             innocent = threading.Thread(target=innocent_run)
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            headers = {**auth, "Content-Type": "application/json"}
+            lag0 = lag_buckets(client, auth)
             innocent.start()
             time.sleep(0.05)  # the stream is under way
             t0 = time.perf_counter()
-            content = body if isinstance(body, bytes) else json.dumps(body).encode()
-            headers = {**auth, "Content-Type": "application/json"}
             if isinstance(body, dict) and body.get("stream"):
                 with client.stream("POST", path, content=content, headers=headers) as r:
                     for _ in r.iter_bytes():
@@ -170,6 +197,7 @@ def run_poison(
                 r = client.post(path, content=content, headers=headers)
             t1 = time.perf_counter()
             innocent.join()
+            lag = worst_lag(lag0, lag_buckets(client, auth))
             param = None
             if r.status_code >= 400:
                 try:
@@ -182,6 +210,7 @@ def run_poison(
                     r.status_code,
                     param,
                     round(t1 - t0, 3),
+                    lag * 1e3,
                     round(poller.worst(t0, t1) * 1e3, 1),
                     round(box.get("gap", float("nan")) * 1e3, 1),
                     box.get("text") == solo,
@@ -320,12 +349,13 @@ def run(args: argparse.Namespace) -> int:
     if args.skip != "poison":
         res = run_poison(args.url, args.api_key, max_len)
         out["poison"] = [asdict(r) for r in res]
-        print(f"{'poison':34} {'status':>6} {'param':>14} {'s':>6} {'/health max ms':>14} "
-              f"{'stream gap ms':>13} exact")  # fmt: skip
+        print(f"{'poison':34} {'status':>6} {'param':>14} {'s':>6} {'loop lag ms <=':>14} "
+              f"{'/health max ms':>14} {'stream gap ms':>13} exact")  # fmt: skip
         for r in res:
             print(
                 f"{r.name:34} {r.status:>6} {str(r.param):>14} {r.seconds:>6.2f} "
-                f"{r.health_p100_ms:>14.1f} {r.stream_gap_ms:>13.1f} {r.stream_exact}"
+                f"{r.loop_lag_ms:>14g} {r.health_p100_ms:>14.1f} {r.stream_gap_ms:>13.1f} "
+                f"{r.stream_exact}"
             )
     if args.skip != "flood":
         f = run_flood(args.url, args.api_key, args.idle, args.slowloris, hold=args.hold)

@@ -116,6 +116,28 @@ def token_logprobs(logits: torch.Tensor, token: int, n: int) -> dict:
     }
 
 
+def token_logprobs_rows(logits: torch.Tensor, tokens: list[int], n: int) -> list[dict]:
+    """token_logprobs for every row at once: logits [N, V], tokens N ids -> N dicts, equal to
+    [token_logprobs(logits[i], tokens[i], n) for i] (a long prompt's logprobs: one
+    log_softmax, one topk and one host copy instead of N of each)."""
+    lp = torch.log_softmax(logits.float(), -1)  # [N, V]
+    ids = torch.tensor(tokens, dtype=torch.int64)
+    chosen = lp.gather(1, ids[:, None])  # [N, 1]
+    ranks = ((lp > chosen).sum(1) + 1).tolist()
+    chosen = chosen[:, 0].tolist()
+    if n:
+        top = torch.topk(lp, n)
+        tops = [
+            list(map(list, zip(i, v))) for i, v in zip(top.indices.tolist(), top.values.tolist())
+        ]
+    else:
+        tops = [[] for _ in tokens]
+    return [
+        {"token": int(t), "logprob": c, "rank": r, "top": tp}
+        for t, c, r, tp in zip(tokens, chosen, ranks, tops)
+    ]
+
+
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> torch.Tensor:

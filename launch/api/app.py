@@ -14,10 +14,13 @@ limits), then parsed, validated, tokenised and its grammar compiled on the edge 
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
+import orjson
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
@@ -33,6 +36,7 @@ from .engine_client import EngineClient
 from .engine_request import ModelInfo, render_chat
 from .errors import ApiError
 from .limits import DEFAULT_LIMITS, Limits
+from .loop_lag import LoopLag
 from .metrics import registry
 from .protocol import (
     ChatCompletionRequest,
@@ -68,7 +72,16 @@ def build_app(
     api_key: str | None = None,
     limits: Limits = DEFAULT_LIMITS,
 ) -> FastAPI:
+    lag = LoopLag()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        task = asyncio.ensure_future(lag.run())
+        yield
+        task.cancel()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="dist-glm5",
         summary="An OpenAI-compatible API for GLM-5 on the dist-glm5 runtime.",
         version="0.1.0",
@@ -81,7 +94,7 @@ def build_app(
                        body_timeout=limits.body_timeout)  # fmt: skip
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestIdMiddleware)  # outermost: a 401 carries the id too
-    metrics = registry(engine.metrics)
+    metrics = registry(engine.metrics, lag)
     serving = Serving(engine, model, limits)
     started = int(time.time())
 
@@ -112,7 +125,7 @@ def build_app(
         openapi_extra=_body(CompletionRequest),
     )  # fmt: skip
     async def completions(request: Request):
-        body = await serving.off_loop(parse_body, await request.body(), CompletionRequest)
+        body = await serving.off_loop(parse_body, await request.body(), CompletionRequest, limits)
         return await serving.complete(request, body)
 
     @api.post(
@@ -120,11 +133,12 @@ def build_app(
         openapi_extra=_body(ChatCompletionRequest),
     )  # fmt: skip
     async def chat_completions(request: Request):
-        body = await serving.off_loop(parse_body, await request.body(), ChatCompletionRequest)
+        raw = await request.body()
+        body = await serving.off_loop(parse_body, raw, ChatCompletionRequest, limits)
         return await serving.chat(request, body)
 
-    def tokenize_body(raw: bytes) -> TokenizeResponse:
-        body = parse_body(raw, TokenizeRequest)
+    def tokenize_body(raw: bytes) -> dict:
+        body = parse_body(raw, TokenizeRequest, limits)
         tok = _tokenizer(model, body.model)
         if body.messages is not None:
             limits.check("messages", len(body.messages), "max_messages")
@@ -137,20 +151,21 @@ def build_app(
                            "messages" if body.messages is not None else "prompt",
                            "limit_exceeded")  # fmt: skip
         ids = tok.encode(text)
-        strs = [tok.decode([t], skip_special_tokens=False) for t in ids]
-        return TokenizeResponse(
-            count=len(ids),
-            max_model_len=model.max_model_len,
-            tokens=ids,
-            token_strs=strs if body.return_token_strs else None,
-        )
+        strs = None
+        if body.return_token_strs:
+            texts: dict[int, str] = {}  # token id -> text, each id decoded once
+            strs = [texts.get(t) or texts.setdefault(t, tok.decode([t], skip_special_tokens=False))
+                    for t in ids]  # fmt: skip
+        # TokenizeResponse's fields as a dict: a model of millions of ids is slow to validate
+        return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids,
+                "token_strs": strs}  # fmt: skip
 
     @api.post("/v1/tokenize", response_model=TokenizeResponse, openapi_extra=_body(TokenizeRequest))
     @api.post("/tokenize", response_model=TokenizeResponse, include_in_schema=False)
     async def tokenize(request: Request):
         return await serving.off_loop(_json, tokenize_body, await request.body())
 
-    def detokenize_body(raw: bytes) -> DetokenizeResponse:
+    def detokenize_body(raw: bytes) -> dict:
         body = parse_body(raw, DetokenizeRequest)
         tok = _tokenizer(model, body.model)
         bad = [t for t in body.tokens if t >= model.vocab_size]
@@ -159,7 +174,7 @@ def build_app(
                 400, f"tokens {bad[:5]} are outside the vocabulary 0..{model.vocab_size - 1}",
                 "tokens",
             )  # fmt: skip
-        return DetokenizeResponse(prompt=tok.decode(body.tokens))
+        return DetokenizeResponse(prompt=tok.decode(body.tokens)).model_dump()
 
     @api.post(
         "/v1/detokenize", response_model=DetokenizeResponse,
@@ -197,8 +212,8 @@ def _openapi(app: FastAPI) -> dict:
 
 
 def _json(build, *args) -> Response:
-    """A response model rendered to JSON bytes here (on an edge thread), not on the loop."""
-    return Response(build(*args).model_dump_json(), media_type="application/json")
+    """A response (a model's fields as a dict) rendered to JSON here, on an edge thread."""
+    return Response(orjson.dumps(build(*args)), media_type="application/json")
 
 
 try:

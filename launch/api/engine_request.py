@@ -113,7 +113,7 @@ def completion_request(
             400,
             f"{len(batch)} prompts x n={req.n} is more than {limits.max_choices} choices in one "
             "request (--max-choices)",
-            "n" if req.n > 1 else "prompt",
+            "prompt" if len(batch) > limits.max_choices else "n",
             "limit_exceeded",
         )
     prompts, texts = [], []

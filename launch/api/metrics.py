@@ -21,14 +21,23 @@ from prometheus_client.registry import Collector
 
 from dist_glm5.stages.metrics import EngineMetrics, Histogram
 
+from .loop_lag import LoopLag
+
 PREFIX = "dist_glm5"
 
 
 class EngineCollector(Collector):
-    def __init__(self, snapshot: Callable[[], EngineMetrics]):
-        self.snapshot = snapshot
+    def __init__(self, snapshot: Callable[[], EngineMetrics], lag: LoopLag | None = None):
+        self.snapshot, self.lag = snapshot, lag
 
     def collect(self) -> Iterator[Metric]:
+        if self.lag is not None:
+            yield _histogram(
+                "event_loop_lag_seconds", "How late the server's event loop woke.", self.lag.hist
+            )
+            yield _gauge(
+                "event_loop_lag_max_seconds", "The worst loop lag since start.", self.lag.worst
+            )
         m = self.snapshot()
         yield _histogram("time_to_first_token_seconds", "Submit to first token.", m.ttft)
         yield _histogram(
@@ -91,7 +100,9 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
 
 
-def registry(snapshot: Callable[[], EngineMetrics]) -> CollectorRegistry:
+def registry(
+    snapshot: Callable[[], EngineMetrics], lag: LoopLag | None = None
+) -> CollectorRegistry:
     r = CollectorRegistry()
-    r.register(EngineCollector(snapshot))
+    r.register(EngineCollector(snapshot, lag))
     return r

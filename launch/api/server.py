@@ -48,7 +48,7 @@ class HttpServer:
             port=s.port,
             http=guarded_protocol(s.limits, self.stats),
             ws="none",
-            lifespan="off",
+            lifespan="on",  # the app's loop-lag monitor starts and stops with it
             log_config=None,  # our logging configuration, not uvicorn's
             limit_concurrency=None,  # the protocol sheds idle connections instead of 503s
             backlog=s.backlog,

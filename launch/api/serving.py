@@ -58,7 +58,6 @@ from .protocol import (
     Delta,
     ErrorInfo,
     ErrorResponse,
-    PromptLogprob,
     TokenLogprob,
     ToolCallDelta,
     ToolCallOut,
@@ -103,12 +102,25 @@ class ChoiceStream:
 
 
 EDGE_THREADS = 2  # CPU-bound edge work queues here instead of fighting over the GIL
+PLP_BLOCK = 256  # prompt positions rendered to JSON per call (each call holds the GIL)
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+LISTS = {  # request fields that are lists (or maps) -> the limit on their length
+    "stop": "max_stop",
+    "stop_token_ids": "max_stop_token_ids",
+    "bad_words": "max_bad_words",
+    "logit_bias": "max_logit_bias",
+    "guided_choice": "max_guided_choice",
+    "tools": "max_tools",
+    "messages": "max_messages",
+}
+
+
+def parse_body(raw: bytes, model: type[BaseModel], limits: Limits = DEFAULT_LIMITS) -> BaseModel:
     """A JSON body validated into `model`, with FastAPI's own error shape (a 400 naming the
     field, errors.py). orjson parses (several times faster than json on a 5 MB prompt of ids);
-    what it refuses, json reads, so both accept the same bodies (NaN, integers past 64 bits)."""
+    what it refuses, json reads, so both accept the same bodies (NaN, integers past 64 bits).
+    List fields are counted against their limits before validation walks them."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -118,6 +130,10 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
             why = e.msg if isinstance(e, json.JSONDecodeError) else type(e).__name__
             err = {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error"}
             raise RequestValidationError([{**err, "ctx": {"error": why}}]) from None
+    if isinstance(data, dict):
+        for name, limit in LISTS.items():
+            if isinstance(v := data.get(name), (list, dict)):
+                limits.check(name, len(v), limit)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -301,8 +317,9 @@ async def _disconnected(request: Request) -> None:
 
 
 def _render(build, *args) -> Response:
-    """A whole answer built and rendered to JSON here (an edge thread)."""
-    return Response(build(*args).model_dump_json(), media_type="application/json")
+    """A whole answer (the response model's dict, long parts as orjson fragments) built and
+    rendered to JSON here, on an edge thread."""
+    return Response(orjson.dumps(build(*args)), media_type="application/json")
 
 
 def _sse_all(chunks, *args) -> bytes:
@@ -331,13 +348,16 @@ class _Shape:
         self.s, self.er = s, er
         self.id = self.prefix + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        self._texts: dict[int, str] = {}  # token id -> text: a long prompt repeats ids
 
     def tok(self, t: int) -> str:
         """A token's text as OpenAI's logprobs name it."""
-        tok = self.s.model.tokenizer
-        if tok is None:
-            return str(t)
-        return tok.decode([t], skip_special_tokens=False)
+        text = self._texts.get(t)
+        if text is None:
+            tok = self.s.model.tokenizer
+            text = str(t) if tok is None else tok.decode([t], skip_special_tokens=False)
+            self._texts[t] = text
+        return text
 
     def tok_bytes(self, t: int) -> list[int]:
         tok = self.s.model.tokenizer
@@ -345,22 +365,26 @@ class _Shape:
             return [t]  # a byte of a character split across tokens
         return list(self.tok(t).encode("utf-8"))
 
-    def prompt_logprobs(self, plps: list, top: int) -> list:
-        """Our per-position logprob dicts -> vLLM's prompt_logprobs ([None, {id: entry}...])."""
-        out: list = [None]
-        for x in plps:
-            entry = {
-                str(t): PromptLogprob(logprob=v, rank=r + 1, decoded_token=self.tok(t))
-                for r, (t, v) in enumerate(x["top"][:top])
-            }
-            entry.setdefault(
-                str(x["token"]),
-                PromptLogprob(
-                    logprob=x["logprob"], rank=x.get("rank"), decoded_token=self.tok(x["token"])
-                ),
-            )
-            out.append(entry)
-        return out
+    def prompt_logprobs(self, plps: list, top: int) -> orjson.Fragment:
+        """Our per-position logprob dicts -> vLLM's prompt_logprobs ([null, {id: entry}...]) as
+        JSON (protocol.PromptLogprobs' shape), rendered by blocks of positions: an 8K prompt's
+        ~170K entries as pydantic models cost one 200+ ms call that holds the GIL."""
+        parts = [b"null"]
+        for i in range(0, len(plps), PLP_BLOCK):
+            block = []
+            for x in plps[i : i + PLP_BLOCK]:
+                entry = {
+                    str(t): {"logprob": v, "rank": r + 1, "decoded_token": self.tok(t)}
+                    for r, (t, v) in enumerate(x["top"][:top])
+                }
+                entry.setdefault(
+                    str(x["token"]),
+                    {"logprob": x["logprob"], "rank": x.get("rank"),
+                     "decoded_token": self.tok(x["token"])},
+                )  # fmt: skip
+                block.append(entry)
+            parts.append(orjson.dumps(block)[1:-1])
+        return orjson.Fragment(b"[" + b",".join(p for p in parts if p) + b"]")
 
     def opening(self, choices: list[Choice]) -> list:
         return []
@@ -426,9 +450,10 @@ class _CompletionShape(_Shape):
             id=self.id, created=self.created, model=self.s.model.name, choices=choices, usage=usage
         )
 
-    def response(self, choices: list[Choice], gens: list[Generation]) -> CompletionResponse:
+    def response(self, choices: list[Choice], gens: list[Generation]) -> dict:
+        """CompletionResponse's JSON-ready dict."""
         er = self.er
-        out = []
+        out, plps = [], []
         for c, g in zip(choices, gens):
             seq = g.seq
             text = g.text
@@ -448,9 +473,8 @@ class _CompletionShape(_Shape):
                 )
             if er.echo is not None:
                 text = er.echo[c.prompt_index] + text
-            plp = None
             if er.prompt_logprobs is not None:
-                plp = self.prompt_logprobs(seq.prompt_logprobs, er.prompt_logprobs)
+                plps.append(self.prompt_logprobs(seq.prompt_logprobs, er.prompt_logprobs))
             out.append(
                 CompletionChoice(
                     index=c.index,
@@ -458,16 +482,18 @@ class _CompletionShape(_Shape):
                     finish_reason=g.finish_reason,
                     logprobs=lp,
                     token_ids=list(seq.output),
-                    prompt_logprobs=plp,
                 )
             )
-        return CompletionResponse(
+        d = CompletionResponse(
             id=self.id,
             created=self.created,
             model=self.s.model.name,
             choices=out,
             usage=_usage(er.prompt_tokens, sum(g.completion_tokens for g in gens)),
-        )
+        ).model_dump(mode="json")
+        for choice, plp in zip(d["choices"], plps):
+            choice["prompt_logprobs"] = plp
+        return d
 
 
 class _ChatShape(_Shape):
@@ -530,7 +556,8 @@ class _ChatShape(_Shape):
             id=self.id, created=self.created, model=self.s.model.name, choices=choices, usage=usage
         )
 
-    def response(self, choices: list[Choice], gens: list[Generation]) -> ChatCompletionResponse:
+    def response(self, choices: list[Choice], gens: list[Generation]) -> dict:
+        """ChatCompletionResponse's JSON-ready dict."""
         er = self.er
         out = []
         for c, g in zip(choices, gens):
@@ -547,14 +574,15 @@ class _ChatShape(_Shape):
             out.append(
                 ChatChoice(index=c.index, message=message, finish_reason=reason, logprobs=lp)
             )
-        plp = None
-        if er.prompt_logprobs is not None:
-            plp = self.prompt_logprobs(gens[0].seq.prompt_logprobs, er.prompt_logprobs)
-        return ChatCompletionResponse(
+        d = ChatCompletionResponse(
             id=self.id,
             created=self.created,
             model=self.s.model.name,
             choices=out,
             usage=_usage(er.prompt_tokens, sum(g.completion_tokens for g in gens)),
-            prompt_logprobs=plp,
-        )
+        ).model_dump(mode="json")
+        if er.prompt_logprobs is not None:
+            d["prompt_logprobs"] = self.prompt_logprobs(
+                gens[0].seq.prompt_logprobs, er.prompt_logprobs
+            )
+        return d
