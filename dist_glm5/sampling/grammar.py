@@ -327,8 +327,8 @@ def check(spec: GrammarSpec, tokenizer) -> float:
     the limits fails either when built or, for a long forced run such as `a{1000000}`, only at
     the next token (the mask step spends the lexer's fuel and the error waits for a consume): so
     the check walks on, drawing each token from the mask (seeded: the same grammar gets the same
-    answer) until `limits.check_tokens` real choices are made, and refuses any error or dead end
-    met on the way. A walk is
+    answer) until `limits.check_tokens` real choices are made (forced runs are followed free, up
+    to _MAX_FORCED tokens), and refuses any error or dead end met on the way. A walk is
     not a proof: a limit hit only deep in a rarely taken branch still fails in the worker.
     Every llguidance call here that can take long (build, mask, consume) runs without the GIL:
     a server thread can run this beside its event loop."""
@@ -342,8 +342,8 @@ def check(spec: GrammarSpec, tokenizer) -> float:
     rng = random.Random(0)
     pad = llguidance.LLMatcher(ll_tok, _PAD_GRAMMAR, log_level=0)
     pad = (pad, int(_allowed(pad)[0]))
-    choices_made = 0
-    for step in range(spec.limits.check_tokens + _MAX_FORCED):
+    choices_made = forced = 0
+    while True:
         allowed = _allowed(m)
         if m.is_error():
             raise _refusal(spec.kind, m.get_error(), m.stop_reason())
@@ -351,22 +351,30 @@ def check(spec: GrammarSpec, tokenizer) -> float:
         if not len(choices):
             if m.is_accepting() or m.is_stopped():
                 break  # complete: only EOS is left
-            if not step:
+            if not forced + choices_made:
                 raise GrammarError(
                     "unsatisfiable",
                     f"{spec.kind} grammar cannot be satisfied (no output matches it)",
                 )
             raise GrammarError(  # the worker would fail a sequence that got here
                 "unsatisfiable",
-                f"{spec.kind} grammar cannot be satisfied (a dead end after {step} tokens)",
+                f"{spec.kind} grammar cannot be satisfied (a dead end after "
+                f"{forced + choices_made} tokens)",
             )
-        # forced steps are free (up to _MAX_FORCED): a prefix such as `<tool_call>name<arg_key>`
-        # must not use up the walk before the values it leads to
-        choices_made += len(choices) > 1
-        if choices_made > spec.limits.check_tokens:
-            break
-        if not _consume(m, int(choices[rng.randrange(len(choices))]), pad):
+        if len(choices) == 1 and forced < _MAX_FORCED:
+            # a forced run (`<tool_call>name<arg_key>`, `{"key":`) is followed whole, without a
+            # mask per token, and does not use up the walk's choices
+            run = m.compute_ff_tokens()[: _MAX_FORCED - forced] or [int(choices[0])]
+        else:
+            choices_made += 1
+            if choices_made > spec.limits.check_tokens:
+                break
+            run = [int(choices[rng.randrange(len(choices))])]
+        # the first token without the GIL (where a spent lexer fails, after tens of ms); the rest
+        # of a forced run with it: each is a cheap step of a lexer already in that state
+        if not (_consume(m, run[0], pad) and m.consume_tokens(run[1:])):
             raise _refusal(spec.kind, m.get_error(), m.stop_reason())
+        forced += len(run) if len(choices) == 1 else 0
     dt = time.perf_counter() - t0
     log.debug("%s grammar checked in %.1f ms", spec.kind, dt * 1e3)
     return dt
