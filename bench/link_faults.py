@@ -22,8 +22,9 @@ each, ignore_eos) with token ids in the response.
    A request is exact (its token ids equal the reference), failed with an error that names the
    stage ("stage N rank R failed: ...") within the timeout (acceptable), or a violation: wrong
    tokens, an error that names no stage, or no answer within --request-timeout ("hung").
-   Afterwards (fault removed, link up) one probe request a second until one is exact: the time
-   to recover, from the fault's end (given up after `--recover-seconds`). When the cut outlasted
+   Time to recover: from the fault's end (the qdisc removed, the link up again) to the first
+   exact answer, the phase's own or, if none came after it, a probe request's (one a second;
+   given up after `--recover-seconds`). When the cut outlasted
    Ray's health checks, the head declares the worker node dead and its raylet exits when the
    link returns; with --rejoin (default) the node is started again (`ray start --address`) and
    the table says so.
@@ -255,15 +256,21 @@ def phase(
     return results, t0
 
 
-def recover(http, url: str, model: str, args, reference, timeout: float) -> tuple[float, str]:
-    """Seconds until a probe request is exact again (inf if not within --recover-seconds)."""
-    t0 = time.monotonic()
+def recover(
+    http, url: str, model: str, args, reference, timeout: float, since: float, done: list[float]
+) -> tuple[float, str]:
+    """Seconds from `since` (the fault's end) until a request was exact again: the first of the
+    phase's own exact requests that finished after it (`done`: their monotonic finish times),
+    else probe requests, one a second (inf if none is exact within --recover-seconds)."""
+    after = [d for d in done if d >= since]
+    if after:
+        return min(after) - since, ""
     last = ""
-    while time.monotonic() - t0 < args.recover_seconds:
-        left = args.recover_seconds - (time.monotonic() - t0)
+    while time.monotonic() - since < args.recover_seconds:
+        left = args.recover_seconds - (time.monotonic() - since)
         r = judge(request(http, url, model, 0, args.max_tokens, min(timeout, left)), reference)
         if r.status == "exact":
-            return time.monotonic() - t0, ""
+            return time.monotonic() - since, ""
         last = r.error or r.status
         time.sleep(1.0)
     return float("inf"), last
@@ -392,7 +399,8 @@ def one_fault(name, t, args, http, srv, reference, timeout) -> dict:
         label = fault.describe()
     else:
         label = f"cut {args.cut_seconds:g}s at +{args.cut_after:g}s"
-        cutter = threading.Thread(target=cut_link, args=(t, args), daemon=True)
+        restored: list[float] = []
+        cutter = threading.Thread(target=cut_link, args=(t, args, restored), daemon=True)
     try:
         if cutter is not None:
             cutter.start()
@@ -402,15 +410,10 @@ def one_fault(name, t, args, http, srv, reference, timeout) -> dict:
             cutter.join()
         else:
             netns.apply_fault(t, netns.LinkFault())
-    rejoined = False
-    if name == "cut" and len(netns.ray_nodes(t)) < 2:
-        if args.rejoin:
-            log.warning("the worker node left the Ray cluster during the cut: starting it again")
-            netns.restart_node(t)
-            rejoined = True
-        else:
-            log.warning("the worker node left the Ray cluster during the cut")
-    recovered, last = recover(http, srv.url, srv.model, args, reference, timeout)
+    since = restored[0] if cutter is not None and restored else time.monotonic()
+    done = [t0 + r.sent + r.latency for r in results if r.status == "exact"]
+    rejoined = cutter is not None and len(restored) > 1
+    recovered, last = recover(http, srv.url, srv.model, args, reference, timeout, since, done)
     by = {s: [r for r in results if r.status == s] for s in ("exact", "failed")}
     bad = [r for r in results if r.status not in ("exact", "failed")]
     late = [r for r in by["failed"] if r.latency > timeout]
@@ -432,7 +435,7 @@ def one_fault(name, t, args, http, srv, reference, timeout) -> dict:
     }
 
 
-def cut_link(t: netns.Topology, args) -> None:
+def cut_link(t: netns.Topology, args, restored: list[float]) -> None:
     time.sleep(args.cut_after)
     netns.cut(t, True)
     log.info("link cut")
@@ -440,7 +443,21 @@ def cut_link(t: netns.Topology, args) -> None:
         time.sleep(args.cut_seconds)
     finally:
         netns.cut(t, False)
+        restored.append(time.monotonic())
         log.info("link restored")
+    # a cut longer than Ray's health checks: the head declared the worker node dead, and its
+    # raylet exits once it hears so; an operator would start it again
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if len(netns.ray_nodes(t, timeout=10)) < 2:
+            if not args.rejoin:
+                log.warning("the worker node left the Ray cluster during the cut")
+                return
+            log.warning("the worker node left the Ray cluster during the cut: starting it again")
+            netns.restart_node(t)
+            restored.append(time.monotonic())
+            return
+        time.sleep(2.0)
 
 
 def print_table(rows: list[dict], out: dict, timeout: float) -> None:
@@ -450,9 +467,11 @@ def print_table(rows: list[dict], out: dict, timeout: float) -> None:
         f"fault-free {out.get('fault_free_s', 0):.2f} s a request, request timeout "
         f"{timeout:.0f} s, timeouts passed to the server: {out['timeouts_passed'] or 'none'}"
     )
+    for i, p in enumerate(out.get("placement", [])):
+        print(f"pipeline {'up' if i == 0 else 'restarted'} on nodes {p}")
     head = (
         f"{'fault':<26} {'requests':>8} {'exact':>5} {'failed':>6} {'bad':>3} "
-        f"{'max lat s':>9} {'recover s':>9} {'restarts':>8}  failed with"
+        f"{'max lat s':>9} {'recover s':>9} {'restarts':>8}  failed with (first message)"
     )
     print(head)
     print("-" * len(head))
