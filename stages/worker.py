@@ -49,6 +49,7 @@ from dist_glm5.sampling.sampler import (
     sample_one,
     target_probs,
     token_logprobs,
+    token_logprobs_rows,
 )
 from dist_glm5.stages.messages import SeqOutput, SeqWork, StageTime, StepPlan, StepResult
 
@@ -277,9 +278,10 @@ class StageWorker:
         if w.prompt_logprobs_from is not None and p.prompt_logprobs is not None:
             lg = m.logits(hn[a:b]).cpu()  # sampling runs on the host (no copy on the CPU)
             nxt = w.tokens[1:] + ([w.lookahead] if w.lookahead is not None else [])
-            for i, tok in enumerate(nxt):
-                if w.start + i + 1 >= w.prompt_logprobs_from:
-                    out.prompt_logprobs.append(token_logprobs(lg[i], tok, p.prompt_logprobs))
+            first = max(0, w.prompt_logprobs_from - w.start - 1)  # rows before it: not asked
+            if first < len(nxt):
+                rows = lg[first : len(nxt)]
+                out.prompt_logprobs += token_logprobs_rows(rows, nxt[first:], p.prompt_logprobs)
         if p.repetition_penalty != 1.0:  # the prompt's tokens (a decode's: the output's)
             st.seen.update(w.tokens[: len(w.tokens) - (w.draft is not None)])
         emitted, rejected = [], False

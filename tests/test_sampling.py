@@ -35,3 +35,18 @@ def test_greedy_and_seeded():
 def test_invalid(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("n", [0, 1, 20])
+def test_batched_token_logprobs_equal_the_per_row_function(n):
+    """A long prompt's logprobs are computed in one call; each row equals token_logprobs, the
+    written-out formula (log_softmax, rank by count of greater entries, topk), ties included."""
+    from dist_glm5.sampling.sampler import token_logprobs, token_logprobs_rows
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 259, generator=g)
+    logits[3] = 0.0  # every entry tied
+    logits[7, :10] = 5.0  # a tie at the top
+    tokens = torch.randint(0, 259, (64,), generator=g).tolist()
+    rows = token_logprobs_rows(logits, tokens, n)
+    assert rows == [token_logprobs(logits[i], tokens[i], n) for i in range(64)]
