@@ -121,6 +121,16 @@ def test_unsatisfiable_grammars_are_refused(name):
     assert e.why == "unsatisfiable" and "cannot be satisfied" in str(e), str(e)
 
 
+def test_schemas_too_deep_to_serialise_are_refused():
+    deep = {"type": "integer"}
+    for _ in range(600):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(GrammarError, match="nested too deeply"):
+        GrammarSpec.json_schema(deep)
+    with pytest.raises(GrammarError, match="nested too deeply"):
+        GrammarSpec.tool_calls([{"name": "f", "parameters": deep}])
+
+
 def test_invalid_grammars_are_named_without_our_wrapping():
     e = refusal(GrammarSpec("regex", "(("))
     assert e.why == "invalid" and "unclosed group" in str(e)
@@ -339,6 +349,8 @@ REFUSALS = {
     "guided_json $ref": ({"guided_json": {"$ref": "#"}}, "guided_json", "cannot be satisfied"),
     "parameters not a schema": ({"tools": tools(fn("ok", {}), {"name": "bad", "parameters": {
         "type": "foo"}})}, "tools.1.function.parameters", "not a valid JSON Schema"),
+    "$schema not a string": ({"tools": tools({"name": "f", "parameters": {"$schema": {}}})},
+                             "tools.0.function.parameters", "$schema must be a string"),
     "pattern not a regex": ({"tools": tools(fn("f", {"p": {"type": "string",
                                                              "pattern": "x)|(y"}}))},
                             "tools.0.function.parameters", "not a valid JSON Schema"),

@@ -95,13 +95,20 @@ class GrammarSpec:
 
     @staticmethod
     def json_schema(schema: dict) -> GrammarSpec:
-        return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True))
+        try:
+            return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True))
+        except RecursionError:
+            raise GrammarError("invalid", "the JSON schema is nested too deeply") from None
 
     @staticmethod
     def tool_calls(functions: list[dict], min_calls: int = 1, max_calls: int = 0) -> GrammarSpec:
         """functions: [{"name": ..., "parameters": JSON schema}] (OpenAI's `function` objects)."""
         fs = [{"name": f["name"], "parameters": f.get("parameters") or {}} for f in functions]
-        return GrammarSpec("tool_calls", json.dumps(fs, sort_keys=True), min_calls, max_calls)
+        try:
+            text = json.dumps(fs, sort_keys=True)
+        except RecursionError:
+            raise GrammarError("invalid", "the tool parameters are nested too deeply") from None
+        return GrammarSpec("tool_calls", text, min_calls, max_calls)
 
 
 # ---- GLM tool calls as a Lark grammar -----------------------------------------------------------
@@ -313,6 +320,8 @@ def _compile(spec: GrammarSpec, ll_tok):
         raise
     except ValueError as e:  # not JSON, or a schema llguidance cannot read at all
         raise GrammarError("invalid", public_error(str(e), spec.kind)) from None
+    except RecursionError:  # our own json.dumps of a deep tool schema
+        raise GrammarError("invalid", f"{spec.kind} grammar is nested too deeply") from None
     m = llguidance.LLMatcher(ll_tok, text, log_level=0, limits=spec.limits.ll())
     if m.is_error():
         raise _refusal(spec.kind, m.get_error(), m.stop_reason())

@@ -248,26 +248,29 @@ def _grammar(req: Request, m: ModelInfo) -> GrammarSpec | None:
     if len(given) > 1:
         raise ApiError(400, f"give one of {', '.join(given)}, not several", given[1])
     k = given[0]
-    if k == "response_format":
-        rf = req.response_format
-        if rf.type == "json_object":
-            spec = GrammarSpec("json_object")
+    try:
+        if k == "response_format":
+            rf = req.response_format
+            if rf.type == "json_object":
+                spec = GrammarSpec("json_object")
+            else:
+                spec = GrammarSpec.json_schema(rf.json_schema.schema_)
+        elif k == "guided_json":
+            schema = req.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise ApiError(400, f"guided_json is not JSON: {e}", k) from None
+            spec = GrammarSpec.json_schema(schema)
+        elif k == "guided_regex":
+            spec = GrammarSpec("regex", req.guided_regex)
+        elif k == "guided_choice":
+            spec = GrammarSpec("regex", "|".join(re.escape(c) for c in req.guided_choice))
         else:
-            spec = GrammarSpec.json_schema(rf.json_schema.schema_)
-    elif k == "guided_json":
-        schema = req.guided_json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise ApiError(400, f"guided_json is not JSON: {e}", k) from None
-        spec = GrammarSpec.json_schema(schema)
-    elif k == "guided_regex":
-        spec = GrammarSpec("regex", req.guided_regex)
-    elif k == "guided_choice":
-        spec = GrammarSpec("regex", "|".join(re.escape(c) for c in req.guided_choice))
-    else:
-        spec = GrammarSpec("lark", req.guided_grammar)
+            spec = GrammarSpec("lark", req.guided_grammar)
+    except GrammarError as e:  # a schema too deep to serialise
+        raise ApiError(400, f"{k}: {e}", k) from None
     _validate_grammar(spec, m, k)
     return spec
 

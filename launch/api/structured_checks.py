@@ -42,6 +42,8 @@ def check_tool_parameters(i: int, parameters: dict | None) -> None:
     import jsonschema
 
     param = f"tools.{i}.function.parameters"
+    if not isinstance(parameters.get("$schema", ""), str):
+        raise ApiError(400, f"{param}: $schema must be a string (a meta-schema's URI)", param)
     cls = jsonschema.validators.validator_for(parameters, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(parameters)  # with the draft's format checker: patterns must compile
@@ -50,6 +52,8 @@ def check_tool_parameters(i: int, parameters: dict | None) -> None:
         raise ApiError(
             400, f"{param} is not a valid JSON Schema: {e.message[:300]} (at {where})", param
         ) from None
+    except RecursionError:
+        raise ApiError(400, f"{param} is nested too deeply", param) from None
 
 
 def tool_grammar(tools, named: list[str], max_calls: int, tokenizer) -> GrammarSpec:
