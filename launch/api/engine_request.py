@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dist_glm5.sampling.grammar import GrammarSpec
+from dist_glm5.sampling.grammar import GrammarError, GrammarSpec
 from dist_glm5.sampling.params import SamplingParams
 
 from .chat_template import ChatTemplate
