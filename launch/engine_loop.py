@@ -319,10 +319,21 @@ class EngineLoop:
             except Exception as e:
                 log.exception("pipeline restart %d of %d failed", attempt, RESTART_ATTEMPTS)
                 why = f"pipeline restart failed: {type(e).__name__}: {e}"
+                # the queued requests hear now rather than after every attempt (nothing hangs)
+                self._fail_waiting(why)
                 if attempt < RESTART_ATTEMPTS and self.stop.wait(delay):
                     break  # closing: no more attempts
                 delay *= 2
         raise RuntimeError(why)  # the loop dies: _main marks the engine dead and fails everyone
+
+    def _fail_waiting(self, why: str) -> None:
+        """Fail every request still queued (none has started: the pipeline is down)."""
+        for h in list(self.live.values()):
+            if h.seq is not None and not h.seq.finished:
+                h.seq.error = why
+                self.c.scheduler.finish(h.seq, "error")
+        self._publish()
+        self._fail_inbox(why)
 
     def _die(self, why: str) -> None:
         self._state = EngineState("dead", why)

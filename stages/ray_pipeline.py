@@ -65,6 +65,12 @@ def _actor_class():
         def node_id(self) -> str:
             return ray.get_runtime_context().get_node_id()
 
+        def rendezvous(self) -> str:
+            """torch.distributed's meeting point on this worker's node (global rank 0 listens
+            there, wherever Ray placed it)."""
+            ip = ray.util.get_node_ip_address()
+            return f"tcp://{ip}:{free_port(ip)}"
+
     return StageWorkerActor
 
 
@@ -154,7 +160,6 @@ class RayPipeline:
         if self.host.startswith("127."):
             env["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo's pairs on loopback as well
         actor = _actor_class()
-        dist_init = f"tcp://{self.host}:{free_port(self.host)}" if len(self.specs) > 1 else None
         self.actors = [
             actor.options(
                 num_cpus=self.cpus,
@@ -168,6 +173,12 @@ class RayPipeline:
             s.stage: n
             for s, n in zip(self.specs, ray.get([a.node_id.remote() for a in self.actors]))
         }
+        dist_init = None
+        if len(self.specs) > 1:  # global rank 0 (stage 0, rank 0) opens it, on its own node
+            if self.host.startswith("127."):  # one host: loopback
+                dist_init = f"tcp://{self.host}:{free_port(self.host)}"
+            else:  # a restart may place stage 0 on another node than the coordinator's
+                dist_init = ray.get(self.actors[0].rendezvous.remote(), timeout=60)
         self.refs = [
             a.run.remote(spec, self.coord_addr, dist_init)
             for a, spec in zip(self.actors, self.specs)

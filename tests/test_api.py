@@ -370,6 +370,7 @@ def _wait_healthy(server, seconds: float = 60.0) -> None:
 def test_a_request_that_fails_in_the_engine_gets_a_500_and_the_others_go_on(server, oc):
     r = post(server, "/v1/completions", json.dumps({"prompt": POISON, "max_tokens": 3}).encode())
     assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"], r.text
+    _wait_healthy(server)  # while the pipeline restarts a request is a 503 (test_stage_faults)
     r = post(
         server,
         "/v1/completions",

@@ -290,3 +290,68 @@ def test_models_retrieve_head_health_and_no_slash_redirect(server):
     assert r.json()["error"]["code"] == "model_not_found"
     r = httpx.get(server.url + "/v1/nowhere")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+# ---- the engine down ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", ["restarting", "dead"])
+def test_a_request_while_the_engine_cannot_serve_is_a_503_at_once(status):
+    from fastapi.testclient import TestClient
+
+    from dist_glm5.launch.api.app import build_app
+    from dist_glm5.launch.api.engine_client import EngineClient
+    from dist_glm5.launch.api.engine_request import ModelInfo
+    from dist_glm5.launch.engine_loop import EngineState
+    from dist_glm5.stages.metrics import EngineMetrics
+
+    class Down:
+        max_model_len = 64
+
+        def health(self):
+            why = "stage 1 rank 0 failed: [/src/gloo/pair.cc:534] Connection closed by peer"
+            return EngineState(status, why)
+
+        def metrics_snapshot(self):
+            return EngineMetrics()
+
+        def submit(self, *a, **kw):
+            raise AssertionError("nothing is submitted while the engine is down")
+
+    with TestClient(build_app(EngineClient(Down(), max_waiters=1), ModelInfo("m", 64, 10))) as t:
+        r = t.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+    err = r.json()["error"]
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert err["code"] == "engine_unavailable" and "stage 1 rank 0" in err["message"]
+    assert "pair.cc" not in err["message"]
+
+
+def test_queued_requests_fail_when_a_restart_fails_instead_of_waiting(default_model_dir):
+    """A stage failure fails the started request; the restart then fails too: the queued
+    request hears that at once (not after every attempt's startup timeout)."""
+    from dist_glm5.launch import engine_loop as el
+    from dist_glm5.sampling.params import SamplingParams
+    from dist_glm5.stages.worker import StageWorker
+
+    class Fails(StageWorker):
+        def step(self, plan):
+            raise RuntimeError("injected failure")
+
+    c = coordinator(default_model_dir, worker_cls=Fails, max_seqs=1)
+
+    def cannot(why):
+        raise OSError("no node can take stage 0")
+
+    c.restart = cannot
+    attempts, el.RESTART_ATTEMPTS = el.RESTART_ATTEMPTS, 1
+    loop = el.EngineLoop(c)
+    try:
+        p = SamplingParams(max_tokens=4)
+        started = loop.submit([65, 66, 67], p)
+        queued = loop.submit([68, 69, 70], p)
+        kinds = [h.events.get(timeout=30) for h in (started, queued)]
+    finally:
+        el.RESTART_ATTEMPTS = attempts
+        loop.close()
+    assert kinds[0][0] == "error" and "injected failure" in kinds[0][1], kinds[0]
+    assert kinds[1][0] == "error" and "restart failed" in kinds[1][1], kinds[1]

@@ -113,7 +113,10 @@ def _code(exc: HTTPException) -> str | None:
 
 
 def _api(_: Request, exc: ApiError) -> JSONResponse:
-    return error_response(exc.status, exc.message, exc.param, exc.code)
+    response = error_response(exc.status, exc.message, exc.param, exc.code)
+    if exc.status == 503:
+        response.headers["Retry-After"] = "1"
+    return response
 
 
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -174,6 +174,10 @@ class Serving:
             raise ApiError(500, f"the engine failed serving this request: {why}") from None
 
     async def _answer(self, request: Request, er: EngineRequest, shape: _Shape):
+        health = self.engine.health()
+        if health.status in ("restarting", "dead"):  # told at once, not after the restart
+            raise ApiError(503, f"the engine cannot serve now ({public(health.detail)}); retry "
+                           "later", None, "engine_unavailable")  # fmt: skip
         choices = er.choices()
         one = len(choices) == 1
         streams = [self._outputs(c, shape.id if one else f"{shape.id}-{c.index}") for c in choices]
