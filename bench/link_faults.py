@@ -144,7 +144,7 @@ class Server:
         self.log_path = log_path
         self.err = open(log_path, "w")
         self.p = subprocess.Popen(
-            netns.ns_exec(t.head_ns, cmd, {"RAY_USAGE_STATS_ENABLED": "0"}),
+            netns.ns_exec(t.head_ns, cmd, netns.cluster_env(t)),
             stdout=subprocess.PIPE,
             stderr=self.err,
             text=True,

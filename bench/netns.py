@@ -80,6 +80,10 @@ class Topology:
         """The tun link's fault settings (JSON), read by its forwarder."""
         return Path(self.temp_dir) / "link.json"
 
+    @property
+    def token_file(self) -> Path:
+        return Path(self.temp_dir) / "auth_token"
+
     def ends(self) -> list[tuple[str, str, str]]:
         """(namespace, veth end, address) of both nodes, the head first."""
         return [
@@ -143,20 +147,39 @@ def tun_forwarder_command(t: Topology) -> list[str]:
     return ns_exec(t.head_ns, [sys.executable, "-c", code, *args, "--control", str(t.control_file)])
 
 
-def ray_env(dev: str) -> dict[str, str]:
-    return {"GLOO_SOCKET_IFNAME": dev, "RAY_USAGE_STATS_ENABLED": "0"}
+def cluster_env(t: Topology) -> dict[str, str]:
+    """What every process that joins or asks the two-node cluster needs: Ray (2.59+) turns
+    token authentication on for local clusters, so both nodes and the driver share one token,
+    written by `up` under the temp dir."""
+    return {
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(t.token_file),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+
+
+def ray_env(t: Topology, dev: str) -> dict[str, str]:
+    return {"GLOO_SOCKET_IFNAME": dev, **cluster_env(t)}
+
+
+def write_token(t: Topology) -> None:
+    """The cluster's shared token (a fresh one per `up`; readable by root only)."""
+    import secrets
+
+    t.token_file.write_text(secrets.token_hex(32))
+    t.token_file.chmod(0o600)
 
 
 def ray_head_command(t: Topology) -> list[str]:
     cmd = [t.ray, "start", "--head", "--node-ip-address", t.head_ip, "--port", str(t.ray_port)]
     cmd += ["--include-dashboard", "false", *_ray_common(t, "head")]
-    return ns_exec(t.head_ns, cmd, ray_env(t.head_if))
+    return ns_exec(t.head_ns, cmd, ray_env(t, t.head_if))
 
 
 def ray_node_command(t: Topology) -> list[str]:
     cmd = [t.ray, "start", "--address", t.address, "--node-ip-address", t.node_ip]
     cmd += _ray_common(t, "node1")
-    return ns_exec(t.node_ns, cmd, ray_env(t.node_if))
+    return ns_exec(t.node_ns, cmd, ray_env(t, t.node_if))
 
 
 def _ray_common(t: Topology, name: str) -> list[str]:
@@ -174,7 +197,7 @@ def _ray_common(t: Topology, name: str) -> list[str]:
 
 
 def ray_status_command(t: Topology) -> list[str]:
-    return ns_exec(t.head_ns, [t.ray, "status", "--address", t.address])
+    return ns_exec(t.head_ns, [t.ray, "status", "--address", t.address], cluster_env(t))
 
 
 # ---- checks --------------------------------------------------------------------------------
@@ -262,6 +285,7 @@ def up(t: Topology, timeout: float = 120) -> dict:
     t0 = time.monotonic()
     try:
         Path(t.temp_dir).mkdir(parents=True, exist_ok=True)
+        write_token(t)
         for cmd in setup_commands(t):
             _run(cmd)
         if t.link == "tun":
@@ -600,5 +624,5 @@ def run(args: argparse.Namespace) -> int:
         if not cmd:
             print("netns exec: give a command after --", file=sys.stderr)
             return 2
-        return subprocess.call(ns_exec(t.head_ns, cmd, {"RAY_USAGE_STATS_ENABLED": "0"}))
+        return subprocess.call(ns_exec(t.head_ns, cmd, cluster_env(t)))
     return 0
