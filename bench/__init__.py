@@ -15,6 +15,7 @@ def register(p: argparse.ArgumentParser) -> None:
         generate_vs_hf,
         kernels,
         link_faults,
+        long_job,
         longctx,
         netns,
         pipeline,
@@ -48,6 +49,13 @@ def register(p: argparse.ArgumentParser) -> None:
     longctx.register(
         sub.add_parser(
             "longctx", help="decode ms/token vs context, prefill vs context, bisection vs topk"
+        )
+    )
+    long_job.register(
+        sub.add_parser(
+            "long-job",
+            help="one long prompt through launch batch: TTFT vs compute bound, RSS vs plan, "
+            "pipeline vs one process",
         )
     )
     roofline.register(

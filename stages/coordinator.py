@@ -41,6 +41,9 @@ class Stats:
     restarts: int = 0
     stage_busy: dict[StageId, float] = field(default_factory=dict)  # seconds busy per worker
     peak_rss_mb: float = 0.0  # the last stage's (the one that reports results)
+    # every stage's peak RSS (MiB) as its reporting worker last said: the last stage's from its
+    # results, the others' from their step timings (Ray)
+    stage_peak_rss_mb: dict[int, float] = field(default_factory=dict)
 
     @property
     def acceptance(self) -> float | None:
@@ -151,9 +154,12 @@ class Coordinator:
             self._keep_events(res.step, t.stage, t.rank, res.events)
         for t in res.stage_times:
             self._busy(t.stage, t.rank, t.seconds)
+        if res.stage_times and res.peak_rss_mb:
+            self._peak(res.stage_times[0].stage, res.peak_rss_mb)
         take = getattr(self.pipeline, "take_timings", None)
         for t in take() if take else ():  # the other stages' times (Ray), drained: bounded
             self._busy(t.stage, t.rank, t.busy_s)
+            self._peak(t.stage, t.peak_rss_mb)
             if t.events:
                 self._keep_events(t.step, t.stage, t.rank, t.events)
         outputs = {o.seq_id: o for o in res.outputs}
@@ -216,6 +222,10 @@ class Coordinator:
     def _busy(self, stage: int, rank: int, seconds: float) -> None:
         k = StageId(stage, rank)
         self.stats.stage_busy[k] = self.stats.stage_busy.get(k, 0.0) + seconds
+
+    def _peak(self, stage: int, mb: float) -> None:
+        peaks = self.stats.stage_peak_rss_mb
+        peaks[stage] = max(peaks.get(stage, 0.0), mb)
 
     def _keep_events(self, step: int, stage: int, rank: int, events: list) -> None:
         self.step_events[(step, stage, rank)] = events
