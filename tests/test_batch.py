@@ -94,3 +94,87 @@ def test_batch_stops_cleanly_on_ctrl_c_and_resumes(tmp_path, default_model_dir):
     got = {x["id"]: x for x in _lines(out)}
     assert len(_lines(out)) == len(jobs) and sorted(got) == sorted(j["id"] for j in jobs)
     assert all(len(got[j["id"]]["token_ids"]) == j["max_tokens"] for j in jobs)
+
+
+def _ids(n: int, seed: int = 0) -> list[int]:
+    import random
+
+    r = random.Random(seed)
+    return [r.randrange(256) for _ in range(n)]
+
+
+def _run(args):
+    return subprocess.run([*LAUNCH, "batch", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_a_job_longer_than_ctx_is_refused_naming_the_ctx_that_fits(tmp_path):
+    inp, out = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
+    jobs = [{"id": "short", "prompt_ids": _ids(10)}, {"id": "long", "prompt_ids": _ids(3000)}]
+    inp.write_text("".join(json.dumps(j) + "\n" for j in jobs))
+    r = _run(["--input", str(inp), "--output", str(out), "--ctx", "2k", "--max-tokens", "8"])
+    assert r.returncode == 2, r.stderr[-2000:]
+    # 3000 + 8 tokens: 3k is the smallest --ctx in thousands that holds it
+    assert "job 'long'" in r.stderr and "--ctx 3k" in r.stderr, r.stderr[-2000:]
+    assert not out.exists()  # refused before anything ran: nothing to skip on the rerun
+    r = _run(["--input", str(inp), "--output", str(out), "--ctx", "3k", "--dry-run"])
+    assert r.returncode == 0 and "plan (computed, not measured): context 3072 tokens" in r.stderr
+
+
+def test_without_ctx_the_cache_is_sized_from_the_longest_job(tmp_path):
+    """A cache of 8 blocks x 16 tokens (128) refused a 300-token prompt before; the job now sizes
+    it, and its tokens equal a run whose cache was always large enough."""
+    inp = tmp_path / "prompts.jsonl"
+    job = {"id": "p", "prompt_ids": _ids(300), "max_tokens": 6, "ignore_eos": True}
+    inp.write_text(json.dumps(job) + "\n")
+    small, big = tmp_path / "small.jsonl", tmp_path / "big.jsonl"
+    common = ["--input", str(inp), "--chunk-tokens", "64", "--block-size", "16"]
+    r = _run([*common, "--output", str(small), "--cache-blocks", "8"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    r2 = _run([*common, "--output", str(big), "--cache-blocks", "256"])
+    assert r2.returncode == 0, r2.stderr[-2000:]
+    got, want = _lines(small)[0], _lines(big)[0]
+    assert "error" not in got and got["token_ids"] == want["token_ids"]
+    assert len(got["token_ids"]) == 6
+
+
+def test_progress_lines_and_timing_record_per_stage(tmp_path):
+    inp, out = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
+    n, chunk = 1500, 128
+    job = {"id": "p", "prompt_ids": _ids(n), "max_tokens": 3, "ignore_eos": True}
+    inp.write_text(json.dumps(job) + "\n")
+    args = ["--input", str(inp), "--output", str(out), "--stages", "2"]
+    r = _run([*args, "--chunk-tokens", str(chunk), "--progress-interval", "0"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    # the plan is logged before the pipeline starts, one row per stage
+    assert r.stderr.index("plan (computed, not measured)") < r.stderr.index("prefill seq")
+    assert "    0   0-1 " in r.stderr and "    1   2-3 " in r.stderr
+    lines = [x for x in r.stderr.splitlines() if "prefill seq" in x]
+    assert lines, r.stderr[-3000:]
+    done = [int(x.split("chunks (")[1].split("/")[0]) for x in lines]
+    totals = {x.split("chunks (")[1].split("/")[1].split(" ")[0] for x in lines}
+    assert done == sorted(done) and totals == {str(n)}  # positions of this prompt, growing
+    assert all(f"/{-(-n // chunk)} chunks" in x for x in lines)
+    t = _lines(out)[0]["timing"]
+    assert 0 < t["ttft_s"] <= t["total_s"] and t["prefill_tok_s"] > 0
+    # both workers reported their resident memory (each holds at least torch and its weights)
+    assert sorted(t["peak_rss_mib"]) == ["0", "1"]
+    assert all(v > 50 for v in t["peak_rss_mib"].values())
+
+
+def test_a_plan_that_does_not_fit_is_refused_naming_the_flags():
+    import argparse
+
+    import pytest
+
+    from dist_glm5.checkpoint.default_model import ensure_default_model
+    from dist_glm5.launch import batch
+    from dist_glm5.model.config import ModelConfig
+
+    p = argparse.ArgumentParser()
+    batch.register(p)
+    args = p.parse_args(["--input", "x", "--output", "y", "--stages", "2"])
+    cfg = ModelConfig.from_hf(ensure_default_model())
+    plan = batch.memory_plan(args, cfg, 4096, 1024)
+    plan.capacity = 100 << 20  # less than the runtime allowance alone
+    with pytest.raises(ValueError, match=r"stage \d needs \d+ MiB .*lower --ctx.*--stages"):
+        plan.check()
