@@ -92,6 +92,13 @@ def register(p: argparse.ArgumentParser) -> None:
         "--heartbeat-timeout", type=float, default=5.0, help="the server's, if it has it"
     )
     p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=45.0,
+        help="the server's pipeline (re)start timeout: a restart attempt during a cut gives up "
+        "after it and the next one tries again",
+    )
+    p.add_argument(
         "--request-timeout",
         type=float,
         help="a request not answered within this is 'hung' (default: step + heartbeat timeout "
@@ -134,6 +141,8 @@ def server_command(t: netns.Topology, args: argparse.Namespace, flags: set[str])
         cmd += ["--step-timeout", f"{args.step_timeout:g}"]
     if "--heartbeat-timeout" in flags:
         cmd += ["--heartbeat-timeout", f"{args.heartbeat_timeout:g}"]
+    if "--startup-timeout" in flags:
+        cmd += ["--startup-timeout", f"{args.startup_timeout:g}"]
     return cmd + args.server_args.split()
 
 

@@ -63,6 +63,13 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
         "finished it (a live but stuck worker; default: 300, room for long CPU prefill chunks)",
     )
     p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=300.0,
+        help="seconds for the pipeline to start or restart (placement, workers, weights); a "
+        "restart attempt past it fails and the next one tries again (default: 300)",
+    )
+    p.add_argument(
         "--heartbeat-interval",
         type=float,
         default=1.0,
@@ -145,6 +152,7 @@ def engine_config(
         step_timeout=getattr(args, "step_timeout", 300.0),
         heartbeat_interval=getattr(args, "heartbeat_interval", 1.0),
         heartbeat_timeout=getattr(args, "heartbeat_timeout", 10.0),
+        startup_timeout=getattr(args, "startup_timeout", 300.0),
     )
 
 

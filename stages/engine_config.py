@@ -98,6 +98,9 @@ class EngineConfig:
     step_timeout: float = 300.0  # s for a step's result; then the earliest stage not done fails
     heartbeat_interval: float = 1.0  # s between a worker's heartbeats
     heartbeat_timeout: float = 10.0  # s of silence after which a worker is failed as frozen
+    # s for a (re)start: placement, workers up, weights loaded; a restart attempt that cannot
+    # (a node gone with the link to it) fails after this and the next attempt tries again
+    startup_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval * 2 <= self.heartbeat_timeout:
@@ -105,6 +108,8 @@ class EngineConfig:
                 f"--heartbeat-timeout {self.heartbeat_timeout} must be at least twice "
                 f"--heartbeat-interval {self.heartbeat_interval} (and both > 0)"
             )
+        if self.startup_timeout <= 0:
+            raise ValueError(f"--startup-timeout {self.startup_timeout}: must be > 0")
         if self.step_timeout <= 0:
             raise ValueError(f"--step-timeout {self.step_timeout}: must be > 0")
         if self.backend not in BACKENDS:

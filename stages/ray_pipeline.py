@@ -76,7 +76,10 @@ def _actor_class():
 
 class RayPipeline:
     def __init__(
-        self, engine: EngineConfig, cpus_per_worker: float = 1.0, startup_timeout: float = 300.0
+        self,
+        engine: EngineConfig,
+        cpus_per_worker: float = 1.0,
+        startup_timeout: float | None = None,
     ):
         import ray
 
@@ -89,7 +92,8 @@ class RayPipeline:
             for w in engine.layout.workers
         ]
         host, address = engine.host, engine.address
-        self.host, self.cpus, self.startup_timeout = host, cpus_per_worker, startup_timeout
+        self.host, self.cpus = host, cpus_per_worker
+        self.startup_timeout = startup_timeout or engine.startup_timeout
         if not ray.is_initialized():
             # "local": always a fresh cluster, never one a crashed run left behind
             ray.init(
@@ -171,7 +175,11 @@ class RayPipeline:
         # where Ray put each stage (asked before run(), which occupies the actor until shutdown)
         self.node_of_stage = {
             s.stage: n
-            for s, n in zip(self.specs, ray.get([a.node_id.remote() for a in self.actors]))
+            for s, n in zip(
+                self.specs,
+                # bounded: an actor placed on a node that has just become unreachable never answers
+                ray.get([a.node_id.remote() for a in self.actors], timeout=self.startup_timeout),
+            )
         }
         dist_init = None
         if len(self.specs) > 1:  # global rank 0 (stage 0, rank 0) opens it, on its own node
