@@ -370,13 +370,10 @@ class Progress:
         t0, n0 = self.mark.get(s.seq_id, (s.scheduled_at or now, 0))
         self.mark[s.seq_id] = (now, s.num_computed)
         rate = (s.num_computed - n0) / (now - t0) if now > t0 else 0.0
-        left = s.prefill_to - s.num_computed
-        # the indexer's cost per token grows with position: the ETA at the current rate is a
-        # lower bound
-        eta = f"ETA >= {_hms(left / rate)}" if rate > 0 else "ETA unknown"
+        eta = _eta(s.num_computed, s.prefill_to, now - (s.scheduled_at or now), rate)
         more = f"; {len(long) - 1} more prompt(s) prefilling" if len(long) > 1 else ""
         log.info(
-            "prefill seq %d: %d/%d chunks (%d/%d tokens, %.1f%%), %.0f tokens/s, %s%s",
+            "prefill seq %d: %d/%d chunks (%d/%d tokens, %.1f%%), %.0f tokens/s, ETA %s%s",
             s.seq_id,
             s.num_computed // self.chunk,
             -(-s.prefill_to // self.chunk),
@@ -405,6 +402,17 @@ class Progress:
         if len(seq.output) > 1:
             r["decode_tok_s"] = round((len(seq.output) - 1) / max(now - first, 1e-9), 2)
         return r
+
+
+def _eta(n: int, total: int, elapsed: float, rate: float) -> str:
+    """Time left to prefill positions n..total. The indexer scores every earlier key, so a
+    token's cost grows with its position: fit cost(x) = a + b x to the time so far (elapsed for
+    n positions) and the current rate (1 / cost(n)), and sum it over what is left."""
+    if rate <= 0 or n <= 0:
+        return "unknown"
+    b = max(0.0, 2 * (n / rate - elapsed) / n**2)
+    a = max(0.0, 1 / rate - b * n)
+    return _hms(a * (total - n) + b * (total**2 - n**2) / 2)
 
 
 def _hms(s: float) -> str:

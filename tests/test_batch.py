@@ -178,3 +178,18 @@ def test_a_plan_that_does_not_fit_is_refused_naming_the_flags():
     plan.capacity = 100 << 20  # less than the runtime allowance alone
     with pytest.raises(ValueError, match=r"stage \d needs \d+ MiB .*lower --ctx.*--stages"):
         plan.check()
+
+
+def test_eta_follows_a_cost_that_grows_with_position():
+    """A prefill whose per-token cost grows linearly with position (the indexer's) is predicted
+    from the time so far and the current rate: the remaining time of that cost model exactly,
+    not the remaining tokens at the current rate (which undercounts)."""
+    from dist_glm5.launch.batch import _eta
+
+    a, b, n, total = 2e-3, 3e-8, 50_000, 650_000
+    elapsed = a * n + b * n * n / 2
+    rate = 1 / (a + b * n)
+    left = sum(a + b * x for x in range(n, total))  # seconds, summed token by token
+    h, m = _eta(n, total, elapsed, rate).split("h")
+    assert abs(int(h) * 3600 + int(m.rstrip("m")) * 60 - left) <= 60
+    assert _eta(0, total, 0.0, 0.0) == "unknown"
