@@ -137,44 +137,10 @@ def build_app(
         body = await serving.off_loop(parse_body, raw, ChatCompletionRequest, limits)
         return await serving.chat(request, body)
 
-    def tokenize_body(raw: bytes) -> dict:
-        body = parse_body(raw, TokenizeRequest, limits)
-        tok = _tokenizer(model, body.model)
-        if body.messages is not None:
-            limits.check("messages", len(body.messages), "max_messages")
-            text = render_chat(model, body.messages, body.tools, body)
-        else:
-            text = body.prompt
-        if len(text) > limits.max_prompt_chars:
-            raise ApiError(400, f"the text has {len(text)} characters; this server tokenizes at "
-                           f"most {limits.max_prompt_chars} (--max-prompt-chars)",
-                           "messages" if body.messages is not None else "prompt",
-                           "limit_exceeded")  # fmt: skip
-        ids = tok.encode(text)
-        strs = None
-        if body.return_token_strs:
-            texts: dict[int, str] = {}  # token id -> text, each id decoded once
-            strs = [texts.get(t) or texts.setdefault(t, tok.decode([t], skip_special_tokens=False))
-                    for t in ids]  # fmt: skip
-        # TokenizeResponse's fields as a dict: a model of millions of ids is slow to validate
-        return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids,
-                "token_strs": strs}  # fmt: skip
-
     @api.post("/v1/tokenize", response_model=TokenizeResponse, openapi_extra=_body(TokenizeRequest))
     @api.post("/tokenize", response_model=TokenizeResponse, include_in_schema=False)
     async def tokenize(request: Request):
-        return await serving.off_loop(_json, tokenize_body, await request.body())
-
-    def detokenize_body(raw: bytes) -> dict:
-        body = parse_body(raw, DetokenizeRequest)
-        tok = _tokenizer(model, body.model)
-        bad = [t for t in body.tokens if t >= model.vocab_size]
-        if bad:
-            raise ApiError(
-                400, f"tokens {bad[:5]} are outside the vocabulary 0..{model.vocab_size - 1}",
-                "tokens",
-            )  # fmt: skip
-        return DetokenizeResponse(prompt=tok.decode(body.tokens)).model_dump()
+        return await serving.off_loop(_json, tokenize_body, model, limits, await request.body())
 
     @api.post(
         "/v1/detokenize", response_model=DetokenizeResponse,
@@ -182,7 +148,7 @@ def build_app(
     )  # fmt: skip
     @api.post("/detokenize", response_model=DetokenizeResponse, include_in_schema=False)
     async def detokenize(request: Request):
-        return await serving.off_loop(_json, detokenize_body, await request.body())
+        return await serving.off_loop(_json, detokenize_body, model, await request.body())
 
     @api.get("/version", response_model=Version)
     def server_version():
@@ -195,6 +161,46 @@ def build_app(
     app.include_router(api)
     app.openapi = lambda: _openapi(app)
     return app
+
+
+def tokenize_body(model: ModelInfo, limits: Limits, raw: bytes) -> dict:
+    """/v1/tokenize: TokenizeResponse's fields as a dict (a model of millions of ids is slow to
+    validate)."""
+    body = parse_body(raw, TokenizeRequest, limits)
+    tok = _tokenizer(model, body.model)
+    if body.messages is not None:
+        text = render_chat(model, body.messages, body.tools, body)
+    else:
+        text = body.prompt
+    if len(text) > limits.max_prompt_chars:
+        raise ApiError(
+            400,
+            f"the text has {len(text)} characters; this server tokenizes at most "
+            f"{limits.max_prompt_chars} (--max-prompt-chars)",
+            "messages" if body.messages is not None else "prompt",
+            "limit_exceeded",
+        )
+    ids = tok.encode(text)
+    strs = None
+    if body.return_token_strs:
+        texts: dict[int, str] = {}  # token id -> text, each id decoded once
+        strs = [texts.get(t) or texts.setdefault(t, tok.decode([t], skip_special_tokens=False))
+                for t in ids]  # fmt: skip
+    return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids,
+            "token_strs": strs}  # fmt: skip
+
+
+def detokenize_body(model: ModelInfo, raw: bytes) -> dict:
+    body = parse_body(raw, DetokenizeRequest)
+    tok = _tokenizer(model, body.model)
+    bad = [t for t in body.tokens if t >= model.vocab_size]
+    if bad:
+        raise ApiError(
+            400,
+            f"tokens {bad[:5]} are outside the vocabulary 0..{model.vocab_size - 1}",
+            "tokens",
+        )
+    return DetokenizeResponse(prompt=tok.decode(body.tokens)).model_dump()
 
 
 def _openapi(app: FastAPI) -> dict:
