@@ -1,11 +1,13 @@
 """Top-k selection at long context: the k-th largest score by bisection, not by sorting.
 
 Scores are fp32; each is mapped to an int32 key that orders like the float (flip the magnitude bits
-of negatives), so bisection over the 2^32 keys finds each row's exact k-th largest value in 32
-passes of compare-and-count, O(32 * L) per row with no sort and no [L] index buffers.
+of negatives) and, like the float's `==`, gives -0.0 and +0.0 one key, so bisection over the 2^32
+keys finds each row's exact k-th largest value in 32 passes of compare-and-count, O(32 * L) per row
+with no sort and no [L] index buffers.
 Selection then keeps every score above the threshold and, among scores equal to it, the earliest
-keys: the tie rule of `indexer.select_topk_reference` (stable descending sort), so both select
-exactly the same keys. Rows with fewer than k finite scores keep all of their finite scores.
+keys: the tie rule of `indexer.select_topk_reference` (stable descending sort, which compares floats
+and so ties -0.0 with +0.0), so both select exactly the same keys, signed zeros included. Rows with
+fewer than k finite scores keep all of their finite scores.
 
 Ranks exchange selections as bit-packed masks (1 bit per key).
 """
@@ -24,13 +26,22 @@ def count_true(mask: torch.Tensor) -> torch.Tensor:
 
 
 def ordered_keys(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> int32 keys with key(a) < key(b) iff a < b (for non-NaN a, b; -0 sorts below +0)."""
+    """fp32 -> int32 keys with key(a) < key(b) iff a < b and key(a) == key(b) iff a == b, for
+    non-NaN a, b: -0.0 and +0.0 share key 0, as they compare equal in the reference's sort.
+
+    Negatives get their magnitude bits flipped (so -0.0 would land on -1) and then 1 added, which
+    moves -0.0 onto +0.0 and keeps every other key distinct and in order. Integer ops only, int32
+    throughout (keys span INT32_MIN + 1 .. INT32_MAX): a graph compiler may not fold them away
+    as it might `x + 0.0`, and lazy mode's int64-to-int32 cast never touches them."""
     b = x.contiguous().view(torch.int32)
-    return b ^ ((b >> 31) & 0x7FFFFFFF)
+    neg = b >> 31  # -1 for a set sign bit, else 0
+    return (b ^ (neg & 0x7FFFFFFF)) - neg
 
 
 def key_to_float(k: torch.Tensor) -> torch.Tensor:
-    return (k ^ ((k >> 31) & 0x7FFFFFFF)).view(torch.float32)
+    """The inverse of ordered_keys (key 0 gives +0.0)."""
+    neg = k >> 31
+    return ((k + neg) ^ (neg & 0x7FFFFFFF)).view(torch.float32)
 
 
 def kth_threshold_keys(keys: torch.Tensor, k: int) -> torch.Tensor:

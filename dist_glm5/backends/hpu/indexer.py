@@ -54,8 +54,8 @@ def select_topk(scores: Tensor, q_pos: Tensor, topk: int) -> Tensor:
     causal = torch.arange(L, device=scores.device) <= q_pos[..., None]
     if topk >= L:
         return causal
-    # + 0.0 turns -0 into +0: the reference's sort ties them, int keys would order -0 below +0
-    keys = ordered_keys(scores.float().masked_fill(~causal, float("-inf")) + 0.0)
+    # ordered_keys gives -0.0 and +0.0 one key (the reference's sort ties them): the CPU rule
+    keys = ordered_keys(scores.float().masked_fill(~causal, float("-inf")))
     shape = keys.shape
     flat = keys.reshape(-1, L)
     t = kth_largest_key(flat, topk)[:, None]
