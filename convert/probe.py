@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from dist_glm5.checkpoint.shards import open_checkpoint
 from dist_glm5.model.config import ModelConfig
-from dist_glm5.model.moe import experts_reference
+from dist_glm5.ops.experts import experts_reference
 from dist_glm5.quant.mxfp4 import decode
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The DSA indexer scan + exact top-k for a few query rows, in C (kernels/dsa_select.c).
 
 `select_rows(q, w, idx_store, keys, q_pos, topk, head_dim)` -> (keep [n, L] bool, slots [n, k],
-valid [n, k]): the same contract as scoring with `model/indexer.index_scores` in capped chunks,
+valid [n, k]): the same contract as scoring with `ops/indexer.index_scores` in capped chunks,
 selecting with `ops/topk.select_topk_*` and listing with `model/dsa.selected_slots`, which stay
 the reference beside it. For decode (a few rows over a long context) it reads each index key once
 instead of five passes. `available()` is False when the kernel cannot build or

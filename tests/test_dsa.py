@@ -8,13 +8,13 @@ from runtime_util import prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import dist_glm5.model.dsa as dsa
+import dist_glm5.ops.gather as gather
 from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa import DSAConfig, gather_plan
-from dist_glm5.model.indexer import select_topk_reference
 from dist_glm5.model.kv_cache import Chunk
 from dist_glm5.model.reference_loop import full_logits, generate
+from dist_glm5.ops.indexer import select_topk_reference
 from dist_glm5.ops.topk import kth_largest_bisect, pack_mask, select_topk_bisect, unpack_mask
 from dist_glm5.sampling.params import SamplingParams
 
@@ -127,12 +127,12 @@ def test_sparse_selects_exactly_the_reference_keys(default_model, sparse_models)
 
 def test_every_gather_in_a_run_stays_under_the_cap(sparse_models):
     sp = sparse_models["tiny gather cap"]
-    dsa.GATHER_LOG = []
+    gather.GATHER_LOG = []
     try:
         generate(sp, prompts([250, 90], seed=6), SamplingParams(max_tokens=6, ignore_eos=True))
-        assert dsa.GATHER_LOG and max(dsa.GATHER_LOG) <= 24 * 1024
+        assert gather.GATHER_LOG and max(gather.GATHER_LOG) <= 24 * 1024
     finally:
-        dsa.GATHER_LOG = None
+        gather.GATHER_LOG = None
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -235,8 +235,8 @@ def test_selected_slots_and_cache_sized_index_chunks_equal_the_plain_forms():
     key order (rows keeping fewer than k, padding repeating the first pick), and index scores in
     cache-sized key chunks equal one unchunked call, bit for bit."""
     from dist_glm5.model import dsa as D
-    from dist_glm5.model.indexer import index_scores
-    from dist_glm5.model.kv_cache import KeySlots
+    from dist_glm5.ops.indexer import index_scores
+    from dist_glm5.ops.key_slots import KeySlots
 
     g = torch.Generator().manual_seed(0)
     L, k, bs = 700, 64, 16

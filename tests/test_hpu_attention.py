@@ -12,12 +12,13 @@ import hpu_fake
 import pytest
 import torch
 
-import dist_glm5.model.dsa as dsa
 from dist_glm5.backends.hpu import attention, norm_rope
-from dist_glm5.model.kv_cache import KeySlots
-from dist_glm5.model.mla import mla_absorbed, mla_expanded
-from dist_glm5.model.norm import rms_norm
-from dist_glm5.model.rope import RopeTable, apply_rope
+from dist_glm5.model.rope import RopeTable
+from dist_glm5.ops import attention as ref
+from dist_glm5.ops.gather import attn_key_bytes, decode_row_bytes
+from dist_glm5.ops.key_slots import KeySlots
+from dist_glm5.ops.norm import rms_norm
+from dist_glm5.ops.rope import apply_rope
 
 fake_hf = hpu_fake.fake_hf
 B, n, h, NOPE, R, V, C, L = 2, 3, 4, 8, 4, 8, 16, 10
@@ -53,7 +54,7 @@ def test_fused_sdpa_call_contract_and_output(fake_hf, dtype):
     assert int(torch.isinf(bias).sum()) == int((~keep).sum()) and bias.max() == 0
     assert (dropout, causal, scale, mode, recompute, valid_len) == (0.0, False, 0.3, "None",
                                                                      None, None)  # fmt: skip
-    want = mla_expanded(q_nope, q_rot, lat, k_rot, w, keep, 0.3, NOPE)
+    want = ref.mla_expanded(q_nope, q_rot, lat, k_rot, w, keep, 0.3, NOPE)
     assert out.shape == want.shape and out.dtype == dtype
     assert close(out, want, 1e-5 if dtype == torch.float32 else 3e-2)
 
@@ -84,7 +85,7 @@ def test_softmax_mode_is_never_fast(fake_hf, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_absorbed_equals_reference(dtype):
     inputs = mla_inputs(dtype, seed=1)
-    got, want = attention.mla_absorbed(*inputs, 0.3, NOPE), mla_absorbed(*inputs, 0.3, NOPE)
+    got, want = attention.mla_absorbed(*inputs, 0.3, NOPE), ref.mla_absorbed(*inputs, 0.3, NOPE)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert close(got, want, 1e-5 if dtype == torch.float32 else 3e-2)
 
@@ -103,10 +104,10 @@ def test_attend_gathered_equals_reference_with_padding_and_chunks():
     valid = torch.rand(5, k, generator=g) < 0.7
     valid[:, 0] = True
     slots = torch.where(valid, slots, slots[:, :1])  # padding repeats a valid slot
-    row = dsa.decode_row_bytes(k, h, C + R, 2)
+    row = decode_row_bytes(k, h, C + R, 2)
     for cap in (10 * row, 2 * row):  # one chunk, then three
         got = attention.attend_gathered(q_lat, q_rot, store, slots, valid, C, 0.2, cap)
-        want = dsa.attend_gathered(q_lat, q_rot, store, slots, valid, C, 0.2, cap)
+        want = ref.attend_gathered(q_lat, q_rot, store, slots, valid, C, 0.2, cap)
         assert close(got, want, 1e-5)
 
 
@@ -117,10 +118,10 @@ def test_attend_absorbed_chunked_equals_reference_with_padded_chunks():
     slots = torch.randperm(64, generator=g)[:K]
     mask = torch.rand(5, K, generator=g) < 0.5
     mask[:, 3] = True
-    row = dsa.attn_key_bytes(5, h, C + R, 2)
+    row = attn_key_bytes(5, h, C + R, 2)
     for cap in (100 * row, 5 * row):  # one chunk, then 5 chunks of 5 keys (2 padded)
         got = attention.attend_absorbed_chunked(q_lat, q_rot, store, slots, mask, C, 0.2, cap)
-        want = dsa.attend_absorbed_chunked(q_lat, q_rot, store, slots, mask, C, 0.2, cap)
+        want = ref.attend_absorbed_chunked(q_lat, q_rot, store, slots, mask, C, 0.2, cap)
         assert close(got, want, 1e-5)
     # a whole sequence by its block table, as the sparse prefill passes it
     keys = KeySlots(torch.tensor([3, 0, 5, 1]), 16, 50)
@@ -128,7 +129,7 @@ def test_attend_absorbed_chunked_equals_reference_with_padded_chunks():
     mask[:, 0] = True
     got = attention.attend_absorbed_chunked(q_lat, q_rot, store.repeat(2, 1)[:96], keys, mask,
                                             C, 0.2, 7 * row)  # fmt: skip
-    want = dsa.attend_absorbed_chunked(q_lat, q_rot, store.repeat(2, 1)[:96], keys, mask, C, 0.2,
+    want = ref.attend_absorbed_chunked(q_lat, q_rot, store.repeat(2, 1)[:96], keys, mask, C, 0.2,
                                        7 * row)  # fmt: skip
     assert close(got, want, 1e-5)
 

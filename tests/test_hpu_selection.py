@@ -9,7 +9,7 @@ import torch
 
 from dist_glm5.backends.hpu import indexer
 from dist_glm5.backends.hpu.guard import StepGuard
-from dist_glm5.model.indexer import index_scores, select_topk_reference
+from dist_glm5.ops.indexer import index_scores, select_topk_reference
 from dist_glm5.ops.topk import ordered_keys, select_topk_bisect
 
 INF = float("inf")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dist_glm5.model.moe import experts_reference
+from dist_glm5.ops.experts import experts_reference
 
 
 def test_ep_slices_sum_to_the_whole_and_match_dense_math():

@@ -14,7 +14,8 @@ import torch
 from conftest import require
 
 from dist_glm5.model.config import ModelConfig
-from dist_glm5.model.rope import MAX_POSITIONS, RopeTable, apply_rope
+from dist_glm5.model.rope import MAX_POSITIONS, RopeTable
+from dist_glm5.ops.rope import apply_rope
 
 DIM = 16  # qk_rope_head_dim
 HEADS = 3

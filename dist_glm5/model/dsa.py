@@ -12,12 +12,10 @@
   densely. Dense or sparse, attention runs over key chunks with an online softmax (fp32 statistics),
   so no gather exceeds `gather_cap_bytes` and no [queries, context] score matrix is materialised at
   once.
-- Every gather goes through `capped_chunks`: calls of at most `gather_cap_bytes` each.
-- Keys are addressed through the sequence's block table (`KeySlots`): a contiguous range of keys is
-  gathered by whole blocks (ranges then start on a block and span whole blocks, so the rows
-  materialised stay within the cap), a selection (top-k, a union) by the slots of its positions.
-A fully masked row cannot occur (a query always keeps at least itself), and padded rows of a batch
-repeat a real query, so no row computes 0/0.
+- Every gather goes through ops/gather.py's `capped_chunks`: calls of at most `gather_cap_bytes`
+  each, keys addressed through the sequence's block table (`KeySlots`).
+This file chooses what to gather and attend over; the attention math itself is the backend's
+(references in ops/attention.py).
 """
 
 from __future__ import annotations
@@ -27,63 +25,21 @@ from typing import Callable
 import torch
 
 from dist_glm5.model.dsa_config import DSAConfig
-from dist_glm5.model.indexer import index_scores
-from dist_glm5.model.kv_cache import KeySlots
 from dist_glm5.ops import Ops, reference_ops
+from dist_glm5.ops.attention import attend_absorbed_chunked
+from dist_glm5.ops.gather import (
+    attn_key_chunks,
+    capped_chunks,
+    decode_row_bytes,
+    gather_keys,
+    key_ranges,
+)
+from dist_glm5.ops.indexer import index_scores
+from dist_glm5.ops.key_slots import KeySlots
 from dist_glm5.ops.topk import count_true
 
 GIB = 1 << 30
 SCORE_CACHE_BYTES = 4 << 20  # indexer scores kept per key chunk (about a core's L2 + share of L3)
-
-
-# Tests hook this to record every gather's size.
-GATHER_LOG: list[int] | None = None
-
-
-def capped_chunks(n_rows: int, row_bytes: int, cap: int) -> list[tuple[int, int]]:
-    """Split n_rows into contiguous calls of at most `cap` bytes (at least one row per call)."""
-    if row_bytes > cap:
-        raise ValueError(
-            f"one row of {row_bytes} bytes exceeds the gather cap of {cap} bytes: raise "
-            "gather_cap_bytes"
-        )
-    per = max(1, cap // max(row_bytes, 1))
-    return [(a, min(n_rows, a + per)) for a in range(0, n_rows, per)]
-
-
-def gather_rows(store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """One gather call: store [S, D] rows at slots [...] -> [..., D]; callers keep it under the
-    cap."""
-    if GATHER_LOG is not None:
-        GATHER_LOG.append(slots.numel() * store.shape[1] * store.element_size())
-    return store[slots]
-
-
-def key_ranges(n: int, per: int, block_size: int) -> list[tuple[int, int, bool]]:
-    """Split a sequence's n keys into ranges of at most `per` rows, as (a, b, by_blocks).
-
-    by_blocks: the range is read by whole blocks (one index per block, no per-position slots;
-    its last block may be partial and is still read whole within `per` rows). That holds for one
-    range whose blocks fit `per`, and for every range once `per` is rounded down to whole blocks;
-    a budget under one block reads slot by slot."""
-    whole = -(-n // block_size) * block_size
-    if per >= n:
-        return [(0, n, whole <= per)] if n else []
-    if per < block_size:
-        return [(a, min(n, a + per), False) for a in range(0, n, per)]
-    per -= per % block_size
-    return [(a, min(n, a + per), True) for a in range(0, n, per)]
-
-
-def gather_keys(store: torch.Tensor, keys: KeySlots, a: int, b: int, by_blocks: bool):
-    """Rows [b - a, D] of key positions a..b-1 (a range from `key_ranges`)."""
-    if not by_blocks:
-        return gather_rows(store, keys.range(a, b))
-    bs, D = keys.block_size, store.shape[1]
-    blocks = keys.table[a // bs : -(-b // bs)]
-    if GATHER_LOG is not None:
-        GATHER_LOG.append(blocks.numel() * bs * D * store.element_size())
-    return store.view(-1, bs, D)[blocks].view(-1, D)[: b - a]
 
 
 def index_scores_capped(
@@ -114,24 +70,6 @@ def score_rows(cfg: DSAConfig, L: int) -> int:
     """Query rows scored at once: their fp32 scores, int32 order keys and masks stay under the
     cap."""
     return max(1, min(cfg.indexer_row_chunk, cfg.gather_cap_bytes // (L * 9)))
-
-
-def attn_key_chunks(
-    n: int, heads: int, K: int, width: int, itemsize: int, cap: int
-) -> list[tuple[int, int]]:
-    """Key chunks for n queries x heads: the gather ([chunk, width] stored), its fp32 copy and the
-    [n, heads, chunk] fp32 scores and probabilities each stay under the cap."""
-    return capped_chunks(K, attn_key_bytes(n, heads, width, itemsize), cap)
-
-
-def attn_key_bytes(n: int, heads: int, width: int, itemsize: int) -> int:
-    return max(width * max(itemsize, 4), n * heads * 4)
-
-
-def decode_row_bytes(k: int, heads: int, width: int, itemsize: int) -> int:
-    """Bytes per query row in the decode form: its k gathered rows (and their fp32 copy) or its
-    scores."""
-    return max(k * width * max(itemsize, 4), heads * k * 4)
 
 
 def index_key_chunks(n: int, heads: int, L: int, row_bytes: int, cap: int) -> list[tuple[int, int]]:
@@ -180,91 +118,6 @@ def select(
     if row_split is not None:
         keep = exchange(keep, n, L)
     return keep
-
-
-def attend_absorbed_chunked(
-    q_lat: torch.Tensor,
-    q_rot: torch.Tensor,
-    kv_store: torch.Tensor,
-    keys: KeySlots | torch.Tensor,
-    mask: torch.Tensor,
-    kv_lora: int,
-    scale: float,
-    cap: int,
-) -> torch.Tensor:
-    """Absorbed MLA over candidate keys, online softmax across capped key chunks.
-
-    q_lat [n, h, c] (q_nope folded through W_uk), q_rot [n, h, r]; keys: every key of the
-    sequence (KeySlots, gathered by blocks) or K candidate slots [K]; mask [n, K] bool (at least
-    one True per row) -> latent output [n, h, c] fp32."""
-    n, h, c = q_lat.shape
-    m = torch.full((n, h), float("-inf"), device=q_lat.device)
-    den = torch.zeros(n, h, device=q_lat.device)
-    acc = torch.zeros(n, h, c, device=q_lat.device)
-    if isinstance(keys, KeySlots):  # every key of the sequence: read by blocks
-        row_bytes = attn_key_bytes(n, h, kv_store.shape[1], kv_store.element_size())
-        capped_chunks(1, row_bytes, cap)  # raises when one key is over the cap
-        ranges = key_ranges(len(keys), max(1, cap // row_bytes), keys.block_size)
-    else:
-        ranges = [
-            (a, b, False)
-            for a, b in attn_key_chunks(
-                n, h, len(keys), kv_store.shape[1], kv_store.element_size(), cap
-            )
-        ]
-    for a, b, by_blocks in ranges:
-        if isinstance(keys, KeySlots):
-            rows = gather_keys(kv_store, keys, a, b, by_blocks)
-        else:
-            rows = gather_rows(kv_store, keys[a:b])
-        rows = rows.float()  # [k, c + r]
-        lat, kr = rows[:, :kv_lora], rows[:, kv_lora:]
-        s = (
-            torch.einsum("nhc,kc->nhk", q_lat.float(), lat)
-            + torch.einsum("nhr,kr->nhk", q_rot.float(), kr)
-        ) * scale
-        s = s.masked_fill(~mask[:, None, a:b], float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1))
-        safe = torch.where(
-            torch.isinf(m_new), torch.zeros_like(m_new), m_new
-        )  # rows with nothing yet
-        corr = torch.exp(m - safe)
-        p = torch.exp(s - safe[..., None])
-        den = den * corr + p.sum(-1)
-        acc = acc * corr[..., None] + torch.einsum("nhk,kc->nhc", p, lat)
-        m = m_new
-    return acc / den[..., None]
-
-
-def attend_gathered(
-    q_lat: torch.Tensor,
-    q_rot: torch.Tensor,
-    kv_store: torch.Tensor,
-    sel_slots: torch.Tensor,
-    sel_valid: torch.Tensor,
-    kv_lora: int,
-    scale: float,
-    cap: int,
-) -> torch.Tensor:
-    """Decode form: each query row attends over its own <= topk gathered rows.
-
-    sel_slots [n, k] (padding repeats a valid slot), sel_valid [n, k] -> latent output [n, h, c]
-    fp32."""
-    n, k = sel_slots.shape
-    out = torch.empty(n, q_lat.shape[1], q_lat.shape[2], device=q_lat.device)
-    for a, b in capped_chunks(
-        n, decode_row_bytes(k, q_lat.shape[1], kv_store.shape[1], kv_store.element_size()), cap
-    ):
-        rows = gather_rows(kv_store, sel_slots[a:b]).float()  # [m, k, c + r]
-        lat, kr = rows[..., :kv_lora], rows[..., kv_lora:]
-        s = (
-            torch.einsum("nhc,nkc->nhk", q_lat[a:b].float(), lat)
-            + torch.einsum("nhr,nkr->nhk", q_rot[a:b].float(), kr)
-        ) * scale
-        s = s.masked_fill(~sel_valid[a:b, None, :], float("-inf"))
-        p = torch.softmax(s, -1)
-        out[a:b] = torch.einsum("nhk,nkc->nhc", p, lat)
-    return out
 
 
 def selected_slots(

@@ -1,9 +1,8 @@
 """Multi-head latent attention with DSA sparse selection, over the paged cache.
 
-Two forms of the same math, one reference each:
-- `mla_expanded` (prefill): expand the cached latent into per-head keys and values with kv_b_proj.
-- `mla_absorbed` (decode): fold kv_b_proj's key half into the query and its value half into the
-  output, so attention runs directly over the compressed latent cache (what serving kernels do).
+The module: projections, the cache write, the indexer and the choice of attention form per group;
+the attention math is the backend's (`Ops`; references in ops/attention.py: `mla_expanded` for
+prefill, `mla_absorbed` for decode, the sparse forms for the scaled path).
 The cache row per token is [kv_a_layernorm(latent) | roped k_rot].
 """
 
@@ -12,7 +11,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dist_glm5.model import dsa
@@ -22,53 +20,6 @@ from dist_glm5.model.indexer import Indexer
 from dist_glm5.model.kv_cache import SMALL_CHUNK, ForwardBatch, PagedKVCache
 from dist_glm5.model.norm import RMSNorm
 from dist_glm5.ops import Ops, reference_ops
-
-
-def mla_expanded(
-    q_nope: torch.Tensor,
-    q_rot: torch.Tensor,
-    latent: torch.Tensor,
-    k_rot: torch.Tensor,
-    w_kv_b: torch.Tensor,
-    keep: torch.Tensor,
-    scale: float,
-    nope: int,
-) -> torch.Tensor:
-    # q_nope: [B, n, h, nope], q_rot: [B, n, h, r], latent: [B, L, c], k_rot: [B, L, r],
-    # w_kv_b: [h*(nope+v), c], keep: [B, n, L] bool -> out [B, n, h, v]
-    B, n, h, _ = q_nope.shape
-    kv = F.linear(latent, w_kv_b).view(B, latent.shape[1], h, -1)  # [B, L, h, nope+v]
-    k_nope, v = kv[..., :nope], kv[..., nope:]
-    s = torch.einsum("bnhd,blhd->bhnl", q_nope, k_nope) + torch.einsum(
-        "bnhr,blr->bhnl", q_rot, k_rot
-    )
-    s = (s * scale).masked_fill(~keep[:, None], float("-inf"))
-    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
-    return torch.einsum("bhnl,blhv->bnhv", p, v)
-
-
-def mla_absorbed(
-    q_nope: torch.Tensor,
-    q_rot: torch.Tensor,
-    latent: torch.Tensor,
-    k_rot: torch.Tensor,
-    w_kv_b: torch.Tensor,
-    keep: torch.Tensor,
-    scale: float,
-    nope: int,
-) -> torch.Tensor:
-    # Same signature and result as mla_expanded; cost O(L * c) per head instead of
-    # O(L * h * (nope+v)).
-    B, n, h, _ = q_nope.shape
-    c = latent.shape[-1]
-    w = w_kv_b.view(h, -1, c)  # [h, nope+v, c]
-    w_uk, w_uv = w[:, :nope], w[:, nope:]  # [h, nope, c], [h, v, c]
-    q_lat = torch.einsum("bnhd,hdc->bnhc", q_nope, w_uk)
-    s = torch.einsum("bnhc,blc->bhnl", q_lat, latent) + torch.einsum("bnhr,blr->bhnl", q_rot, k_rot)
-    s = (s * scale).masked_fill(~keep[:, None], float("-inf"))
-    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(latent.dtype)
-    o_lat = torch.einsum("bhnl,blc->bnhc", p, latent)
-    return torch.einsum("bnhc,hvc->bnhv", o_lat, w_uv)
 
 
 class MLA(nn.Module):

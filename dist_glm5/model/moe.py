@@ -3,8 +3,9 @@
 Routed experts are held fused in the serving layout: w13 [E_local, 2I, H] with each expert's rows
 [gate; up] concatenated (not interleaved), and w2 [E_local, H, I]. Under expert parallelism a rank
 holds experts first_expert .. first_expert+E_local-1 and contributes only their outputs (the
-caller sums over ranks). `experts_reference` is the plain loop every fast kernel is checked against;
-the experts run through the backend's ops (dist_glm5/ops/experts.py), given at construction.
+caller sums over ranks). The experts run through the backend's ops (dist_glm5/ops/experts.py,
+where `experts_reference`, the plain loop every fast kernel is checked against, lives), given at
+construction.
 """
 
 from __future__ import annotations

@@ -27,17 +27,18 @@ class Ops:
     # keys, ties to the earlier key (ops/topk.py)
     select_topk: "Fn"
     # (q [..., n, Hi, D], w [..., n, Hi], keys [..., L, D], head_dim) -> scores [..., n, L] fp32
+    # (ops/indexer.py)
     index_scores: "Fn"
     # dense MLA over a group's keys with a keep mask, expanded (prefill) and absorbed (decode):
-    # (q_nope, q_rot, latent, k_rot, w_kv_b, keep, scale, nope) -> [B, n, h, v] (model/mla.py)
+    # (q_nope, q_rot, latent, k_rot, w_kv_b, keep, scale, nope) -> [B, n, h, v] (ops/attention.py)
     mla_expanded: "Fn"
     mla_absorbed: "Fn"
     # sparse decode over each row's gathered rows, and sparse prefill over capped key chunks with
-    # an online softmax (model/dsa.py): -> latent output [n, h, c] fp32
+    # an online softmax (ops/attention.py): -> latent output [n, h, c] fp32
     attend_gathered: "Fn"
     attend_absorbed_chunked: "Fn"
-    rms_norm: "Fn"  # (x [..., D], weight [D], eps) -> [..., D] (model/norm.py)
-    apply_rope: "Fn"  # (x [T, ..., dim], cos, sin [T, dim/2], interleave) (model/rope.py)
+    rms_norm: "Fn"  # (x [..., D], weight [D], eps) -> [..., D] (ops/norm.py)
+    apply_rope: "Fn"  # (x [T, ..., dim], cos, sin [T, dim/2], interleave) (ops/rope.py)
     # Optional fused decode selection for a few rows of one sequence: (q, w, idx_store, keys,
     # q_pos, topk, head_dim) -> (keep [n, L], slots [n, k], valid [n, k]), what index_scores +
     # select_topk + dsa.selected_slots give (kernels/dsa_select.py). None: those three.
@@ -47,11 +48,12 @@ class Ops:
 
 def reference_ops() -> Ops:
     """The plain references: what every fast op is tested against."""
-    from dist_glm5.model import dsa, mla
-    from dist_glm5.model.indexer import index_scores
-    from dist_glm5.model.norm import rms_norm
-    from dist_glm5.model.rope import apply_rope
+    # imported here, not above: `Ops` itself needs no torch (the control plane reads configs)
+    from dist_glm5.ops import attention
     from dist_glm5.ops.experts import REFERENCE
+    from dist_glm5.ops.indexer import index_scores
+    from dist_glm5.ops.norm import rms_norm
+    from dist_glm5.ops.rope import apply_rope
     from dist_glm5.ops.topk import select_topk_bisect
 
     return Ops(
@@ -59,10 +61,10 @@ def reference_ops() -> Ops:
         experts=REFERENCE,
         select_topk=select_topk_bisect,
         index_scores=index_scores,
-        mla_expanded=mla.mla_expanded,
-        mla_absorbed=mla.mla_absorbed,
-        attend_gathered=dsa.attend_gathered,
-        attend_absorbed_chunked=dsa.attend_absorbed_chunked,
+        mla_expanded=attention.mla_expanded,
+        mla_absorbed=attention.mla_absorbed,
+        attend_gathered=attention.attend_gathered,
+        attend_absorbed_chunked=attention.attend_absorbed_chunked,
         rms_norm=rms_norm,
         apply_rope=apply_rope,
     )

@@ -10,8 +10,8 @@ The interface is the Gaudi op's (shared/gaudi.md section 1), so the hpu backend 
 
 Both return the sum over THIS rank's experts only (ids outside the inclusive range
 experts_min..experts_max contribute nothing; the caller sums over ranks). w13 rows per expert are
-[gate; up]. The references below wrap model/moe.py's `experts_reference`, the plain loop every
-fast op is tested against. MXFP4 accumulates in fp32 whatever x's dtype (as the kernels do).
+[gate; up]. The references below wrap `experts_reference`, the plain loop every fast op is
+tested against. MXFP4 accumulates in fp32 whatever x's dtype (as the kernels do).
 """
 
 from __future__ import annotations
@@ -21,11 +21,39 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from dist_glm5.model.moe import experts_reference
-
 log = logging.getLogger(__name__)
+
+
+def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    # x: [n, H], w13: [2I, H] ([gate; up]), w2: [H, I] -> [n, H]
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def experts_reference(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    expert_weights,
+    first_expert: int,
+    num_local: int,
+) -> torch.Tensor:
+    """x: [T, H], weights/ids: [T, k] -> [T, H], the sum over this rank's experts only.
+
+    expert_weights(e_local) -> (w13 [2I, H], w2 [H, I]) in x's dtype (decoded if quantised).
+    """
+    out = torch.zeros_like(x)
+    local = ids.long() - first_expert
+    hit = (local >= 0) & (local < num_local)
+    for e in torch.unique(local[hit]).tolist():  # ascending id order, as the reference model
+        tok, slot = torch.where(local == e)
+        w13, w2 = expert_weights(e)
+        y = swiglu(x[tok], w13, w2) * weights[tok, slot, None].to(x.dtype)
+        out.index_add_(0, tok, y)
+    return out
 
 
 def experts_dense_reference(x, topk_ids, topk_weights, w13, w2, experts_min, experts_max):

@@ -1,16 +1,16 @@
 """MLA attention for Gaudi, each function with its CPU reference's signature and result.
 
-- `mla_expanded` (prefill; model/mla.py): FusedSDPA over per-head keys [k_nope | k_rot] and values,
+- `mla_expanded` (prefill; ops/attention): FusedSDPA over per-head keys [k_nope | k_rot] and values,
   the selection as an ADDITIVE bias [B, 1, n, L] in q's dtype (-inf where not kept; bool masks are
   unconfirmed on the bridge), is_causal False (the keep-mask already is causal), dropout 0.
   Softmax mode "None" (accurate) by default, "fp32" by choice (DIST_GLM5_HPU_SOFTMAX); "fast" is
   refused: it measured worst-row cosine 0.086 at layer 38 at long context (design.md section 3),
   and vllm-gaudi would pick it for GLM-5 (its VLLM_FP32_SOFTMAX is not read here).
-- `mla_absorbed` (decode; model/mla.py): batched matmuls over the compressed latent (MME),
+- `mla_absorbed` (decode; ops/attention): batched matmuls over the compressed latent (MME),
   softmax in fp32.
-- `attend_gathered` (sparse decode; model/dsa.py): each row's <= topk selected cache rows by one
+- `attend_gathered` (sparse decode; ops/attention): each row's <= topk selected cache rows by one
   int32 index_select per capped chunk of rows.
-- `attend_absorbed_chunked` (sparse prefill; model/dsa.py): online softmax over key chunks of ONE
+- `attend_absorbed_chunked` (sparse prefill; ops/attention): online softmax over key chunks of ONE
   fixed length (the key list is padded to a whole number of chunks with masked keys), so every
   chunk is the same graph; each chunk's gather stays under the cap.
 Every row keeps at least one key (a query keeps itself; padded rows repeat a real query), so no row
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dist_glm5.model.dsa import attn_key_bytes, capped_chunks, decode_row_bytes
+from dist_glm5.ops.gather import attn_key_bytes, capped_chunks, decode_row_bytes
 
 from . import _hf
 

@@ -1,4 +1,4 @@
-"""RMSNorm and RoPE for Gaudi, with the CPU references' signatures (model/norm.py, model/rope.py).
+"""RMSNorm and RoPE for Gaudi, with the CPU references' signatures (ops/norm.py, ops/rope.py).
 
 rms_norm: FusedRMSNorm (habana_frameworks.torch.hpex.normalization) normalises in fp32 with a unit
 weight; the cast to x's dtype and the multiply by `weight` follow, in the reference's order
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dist_glm5.model.rope import apply_rope as reference_apply_rope
+from dist_glm5.ops.rope import apply_rope as reference_apply_rope
 
 from . import _hf
 
@@ -34,7 +34,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 # RoPE itself is plain elementwise torch that lowers to TPC as it is: the reference serves
-# (model/rope.apply_rope); what Gaudi needs differently is the table (DeviceRopeTable below).
+# (ops/rope.apply_rope); what Gaudi needs differently is the table (DeviceRopeTable below).
 apply_rope = reference_apply_rope
 
 

@@ -68,7 +68,7 @@ def mxfp4(device, H=6144, I=2048, E=32, k=8):
 
 
 def sdpa(device, n=512, L=8192, h=16):
-    from dist_glm5.model.mla import mla_expanded
+    from dist_glm5.ops.attention import mla_expanded
 
     from . import attention
 
@@ -112,7 +112,7 @@ def timer(device):
 
 
 def topk(device, L=652_288, k=2048, rows=4):
-    from dist_glm5.model.indexer import select_topk_reference
+    from dist_glm5.ops.indexer import select_topk_reference
 
     from . import indexer
 
@@ -132,7 +132,7 @@ def topk(device, L=652_288, k=2048, rows=4):
 
 
 def rmsnorm(device, D=6144, T=4096):
-    from dist_glm5.model.norm import rms_norm
+    from dist_glm5.ops.norm import rms_norm
 
     from . import _hf, norm_rope
 
