@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from dist_glm5.obs.bandwidth import read_bandwidth
+from dist_glm5.ops.experts import experts_mxfp4_reference
 
 MODELS = {  # name: (hidden, moe_intermediate, experts allocated, top-k)
     "glm5": (6144, 2048, 64, 8),
@@ -122,7 +123,7 @@ def decode_rows(K, name: str, w, bandwidth: dict, threads: list[int], batches: l
             touched = int(ids.unique().numel())
             t_k = best_time(partial(K.moe_mxfp4, x, ids, tw, *w, 0, E - 1), budget, max_reps=8,
                             before=flush, min_reps=3)
-            t_d = best_time(partial(K.moe_mxfp4_reference, x, ids, tw, *w, 0, E - 1), budget)
+            t_d = best_time(partial(experts_mxfp4_reference, x, ids, tw, *w, 0, E - 1), budget)
             gbs = touched * per_expert / t_k / 1e9
             r = {"model": name, "threads": nt, "tokens": T, "experts": touched,
                  "kernel_ms": 1e3 * t_k, "gb_s": gbs, "of_bandwidth": gbs / bandwidth[nt],
@@ -146,7 +147,7 @@ def prefill_rows(K, name: str, w, tokens: list[int], budget: float) -> list[dict
         t_a = best_time(partial(K.moe_mxfp4, x, ids, tw, *w, 0, E - 1), budget)
         t_f = best_time(partial(K.moe_mxfp4, x, ids, tw, *w, 0, E - 1, gemm_min_routes=HUGE),
                         budget)
-        t_d = best_time(partial(K.moe_mxfp4_reference, x, ids, tw, *w, 0, E - 1), budget)
+        t_d = best_time(partial(experts_mxfp4_reference, x, ids, tw, *w, 0, E - 1), budget)
         rows.append({"model": name, "threads": nt, "tokens": T, "auto_ms": 1e3 * t_a,
                      "fused_ms": 1e3 * t_f, "dequant_ms": 1e3 * t_d})
         print(f"{'':>21} {T:>6} {1e3 * t_a:>9.1f} {1e3 * t_f:>9.1f} {1e3 * t_d:>11.1f}")

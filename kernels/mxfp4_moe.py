@@ -18,8 +18,10 @@ Two paths, chosen per expert by how many routes it has in the call:
 - at least `GEMM_MIN_ROUTES` (prefill): the expert is decoded by the C decoder a 4 MiB fp32
   tile at a time and each tile multiplied with torch (MKL), which has the faster GEMM once
   enough tokens share the decode.
-`moe_mxfp4_reference` is the plain torch loop both are checked against and the fallback when the
-kernel is unavailable (no compiler, build failure, or DIST_GLM5_KERNELS=0).
+The plain torch loop both are checked against is ops/experts.py's `experts_mxfp4_reference`;
+kernels/ imports nothing of ops/ (the seam picks the kernel, not the other way round), so a caller
+that wants a fallback when the kernel is unavailable (no compiler, build failure, or
+DIST_GLM5_KERNELS=0) passes it in (`fallback=`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import ctypes
 import logging
 import threading
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -144,19 +147,6 @@ def _decode_reference(packed: Tensor, scales: Tensor) -> Tensor:
     return decode(packed, scales, torch.float32)
 
 
-def moe_mxfp4_reference(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor,
-                        w13_scale: Tensor, w2: Tensor, w2_scale: Tensor, experts_min: int,
-                        experts_max: int) -> Tensor:
-    """Same contract as moe_mxfp4, in plain torch (ops/experts.py's reference, after the same
-    checks): each touched expert decoded to fp32 with the project's codec, then the experts loop
-    in fp32 (dequantise-then-GEMM)."""
-    from dist_glm5.ops.experts import experts_mxfp4_reference
-
-    _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, experts_min, experts_max)
-    return experts_mxfp4_reference(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
-                                   experts_min, experts_max)
-
-
 def decode(packed: Tensor, scales: Tensor) -> Tensor:
     """packed [R, K/2], scales [R, K/32] (uint8) -> fp32 [R, K], with the C decoder (the
     reference codec if the kernel is unavailable)."""
@@ -215,18 +205,24 @@ def _gemm_experts(lib: ctypes.CDLL, x: Tensor, local_ids: Tensor, tw: Tensor, ex
 
 def moe_mxfp4(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w13_scale: Tensor,
               w2: Tensor, w2_scale: Tensor, experts_min: int, experts_max: int,
-              gemm_min_routes: int | None = None) -> Tensor:
+              gemm_min_routes: int | None = None,
+              fallback: Callable[..., Tensor] | None = None) -> Tensor:
     """The routed experts of this rank (contract in the module docstring).
 
     gemm_min_routes: experts with at least this many routes in the call go through
     decode + torch GEMM (default GEMM_MIN_ROUTES of the code path in use; a huge value forces
     the fused kernel, 1 the GEMM path).
-    Falls back to moe_mxfp4_reference when the kernel is unavailable.
+    fallback: what runs, after the same checks, when the kernel is unavailable (same arguments,
+    without gemm_min_routes; e.g. ops/experts.experts_mxfp4_reference). None: that is an error.
     """
     lib = _library()
     if lib is None:
-        return moe_mxfp4_reference(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
-                                   experts_min, experts_max)
+        if fallback is None:
+            raise RuntimeError("the MXFP4 MoE kernel is unavailable (see the build warning) and "
+                               "no fallback was passed")
+        _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, experts_min, experts_max)
+        return fallback(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, experts_min,
+                        experts_max)
     E, H, I = _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, experts_min,
                      experts_max)
     T, k = topk_ids.shape

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from dist_glm5.kernels import build
 from dist_glm5.kernels import mxfp4_moe as K
+from dist_glm5.ops.experts import experts_mxfp4_reference
 
 torch.set_num_threads(1)
 
@@ -106,7 +107,7 @@ def test_matches_oracle_and_reference(isa, H, I, T):
     assert_close(K.moe_mxfp4(x, ids, tw, *w, emin, emin + E - 1, gemm_min_routes=2), want)
     assert_close(K.moe_mxfp4(x, ids, tw, *w, emin, emin + E - 1), want)  # default threshold
     if T in (3, 130):
-        assert_close(K.moe_mxfp4_reference(x, ids, tw, *w, emin, emin + E - 1), want)
+        assert_close(experts_mxfp4_reference(x, ids, tw, *w, emin, emin + E - 1), want)
 
 
 def test_long_rows_go_by_column_chunks(isa):
@@ -150,7 +151,7 @@ def test_nan_scale_byte_gives_nan_like_the_reference(isa):
     x = torch.randn(T, H)
     ids = torch.tensor([[0, 1], [0, 2], [1, 2], [2, 0], [1, 1], [2, 2]], dtype=torch.int32)
     tw = torch.rand(T, 2)
-    want = K.moe_mxfp4_reference(x, ids, tw, *w, 0, E - 1)
+    want = experts_mxfp4_reference(x, ids, tw, *w, 0, E - 1)
     got = K.moe_mxfp4(x, ids, tw, *w, 0, E - 1)
     nan_rows = (ids == 1).any(dim=1)
     assert torch.isnan(want[nan_rows]).all() and torch.isnan(got[nan_rows]).all()
@@ -240,18 +241,24 @@ def test_build_failure_warns_once_and_returns_none(tmp_path, monkeypatch, caplog
 
 
 def test_disabled_kernel_falls_back_to_the_reference():
+    # the fallback is passed in (kernels/ imports no ops/); without one, unavailable is an error;
+    # the CPU backend then picks the reference itself
     code = textwrap.dedent("""
-        import torch
+        import pytest, torch
         from dist_glm5.kernels import mxfp4_moe as K
+        from dist_glm5.ops.experts import REFERENCE, cpu_experts_ops, experts_mxfp4_reference
         assert not K.available()
+        assert cpu_experts_ops() is REFERENCE
         g = torch.Generator().manual_seed(0)
         w13 = torch.randint(0, 256, (2, 64, 32), dtype=torch.uint8, generator=g)
         s13 = torch.randint(120, 130, (2, 64, 2), dtype=torch.uint8, generator=g)
         w2 = torch.randint(0, 256, (2, 64, 16), dtype=torch.uint8, generator=g)
         s2 = torch.randint(120, 130, (2, 64, 1), dtype=torch.uint8, generator=g)
         x, ids, tw = torch.randn(3, 64), torch.tensor([[0, 1], [1, 5], [0, 0]]), torch.rand(3, 2)
-        got = K.moe_mxfp4(x, ids, tw, w13, s13, w2, s2, 0, 1)
-        assert torch.equal(got, K.moe_mxfp4_reference(x, ids, tw, w13, s13, w2, s2, 0, 1))
+        got = K.moe_mxfp4(x, ids, tw, w13, s13, w2, s2, 0, 1, fallback=experts_mxfp4_reference)
+        assert torch.equal(got, experts_mxfp4_reference(x, ids, tw, w13, s13, w2, s2, 0, 1))
+        with pytest.raises(RuntimeError, match="no fallback"):
+            K.moe_mxfp4(x, ids, tw, w13, s13, w2, s2, 0, 1)
         print("fallback ok")
     """)
     env = dict(os.environ, DIST_GLM5_KERNELS="0")
