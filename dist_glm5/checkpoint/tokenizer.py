@@ -40,6 +40,10 @@ class ByteTokenizer:
 
     SPECIAL = {256: "<bos>", 257: "<eos>", 258: "<pad>"}
 
+    def token_bytes(self) -> list[bytes]:
+        """Every id's bytes, in id order (what a grammar engine indexes: sampling/grammar.py)."""
+        return [bytes([i]) for i in range(256)] + [b"<bos>", b"<eos>", b"<pad>"]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:
             return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -64,6 +68,10 @@ class HFTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def tokenizer_json(self) -> str:
+        """The tokenizer.json text (what a grammar engine indexes: sampling/grammar.py)."""
+        return self.tok.to_str()
 
 
 def load_tokenizer(model_dir: str | Path):

@@ -426,12 +426,15 @@ def validate(spec: GrammarSpec, tokenizer) -> None:
 
 
 # ---- our tokenizers as llguidance tokenizers ----------------------------------------------------
+# Read by what a tokenizer offers, not by its class: sampling/ imports nothing of checkpoint/.
+# checkpoint/tokenizer.py's HFTokenizer offers `tokenizer_json()` (its tokenizer.json text),
+# ByteTokenizer `token_bytes()` (every id's bytes, ids in order) with its bos/eos/pad ids.
 class _ByteTokens:
     """What llguidance's TokenizerWrapper reads from a tokenizer: every token's bytes."""
 
     def __init__(self, tok) -> None:
         self.eos_token_id, self.bos_token_id = tok.eos_id, tok.bos_id
-        self.tokens = [bytes([i]) for i in range(256)] + [b"<bos>", b"<eos>", b"<pad>"]
+        self.tokens = tok.token_bytes()
         self.special_token_ids = [tok.bos_id, tok.eos_id, tok.pad_id]
 
     def __call__(self, data: bytes) -> list[int]:
@@ -443,12 +446,10 @@ def ll_tokenizer(tokenizer, n_vocab: int | None = None, eos: int | None = None):
     """llguidance's view of our tokenizer (built once per tokenizer: it indexes the vocabulary)."""
     import llguidance
 
-    from dist_glm5.checkpoint.tokenizer import ByteTokenizer, HFTokenizer
-
-    if isinstance(tokenizer, ByteTokenizer):
+    if hasattr(tokenizer, "token_bytes"):
         return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokens(tokenizer)))
-    if isinstance(tokenizer, HFTokenizer):
-        return llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=n_vocab, eos_token=eos)
+    if hasattr(tokenizer, "tokenizer_json"):
+        return llguidance.LLTokenizer(tokenizer.tokenizer_json(), n_vocab=n_vocab, eos_token=eos)
     raise ValueError(
         f"structured output needs the checkpoint's tokenizer; {type(tokenizer).__name__} is "
         "not one llguidance can read"
