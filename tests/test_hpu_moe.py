@@ -11,6 +11,7 @@ from __future__ import annotations
 import hpu_fake
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dist_glm5.backends.hpu import moe
 from dist_glm5.ops.experts import experts_dense_reference, experts_mxfp4_reference
@@ -116,3 +117,71 @@ def test_mode_selection_compiled_region_or_direct_call(fake_hf, monkeypatch, laz
     assert names.count("moe.mxfp4_fused_weights") == 1
     want = experts_mxfp4_reference(x, ids, w, w13, s13, w2, s2, 0, E - 1)
     assert (out - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def _op(x, ids, w, w12, w3, s12, s3, lo, hi, **over):
+    kw = dict(block_size=32, permuted_weights=True, activation="silu", experts_min=lo,
+              experts_max=hi, is_fp4=True, chunk_size=0, total_experts=0)  # fmt: skip
+    kw.update(over)
+    return torch.ops.hpu.mixture_of_experts.mxfp4_fused_weights(x, ids, w, w12, w3, s12, s3, **kw)
+
+
+def test_fake_op_reads_the_layout_habanas_test_writes(fake_hf):
+    """The fake against a closed form written here from the cited lines of Habana's test (not
+    from our codec): byte = code[2j] | code[2j+1] << 4, value = E2M1[code] * 2^(scale - 127) with
+    a scale per 32 input columns, rows [gate; up], out = w * (silu(x gate^T) * (x up^T)) down^T
+    with the raw router weight, ids global, a slot outside [experts_min, experts_max] adds
+    nothing. A swapped reading (high nibble first, [up; gate]) gives another answer."""
+    g = torch.Generator().manual_seed(7)
+    H, I_, lo = 64, 32, 3
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+    def packed(rows, cols):
+        codes = torch.randint(0, 16, (rows, cols), generator=g)
+        scale = torch.randint(124, 129, (rows, cols // 32), generator=g).to(torch.uint8)
+        byte = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+        value = e2m1[codes] * torch.pow(2.0, scale.float() - 127).repeat_interleave(32, 1)
+        return byte, scale, value
+
+    b12, s12, v12 = packed(2 * I_, H)
+    b3, s3, v3 = packed(H, I_)
+    x = torch.randn(2, H, generator=g)
+    ids = torch.tensor([[lo, 9], [9, lo]], dtype=torch.int32)  # 9: another rank's expert
+    w = torch.tensor([[0.75, 0.5], [0.25, -1.5]])  # raw, one negative: applied as given
+    out = _op(x, ids, w, [b12], [b3], [s12], [s3], lo, lo)
+
+    def closed_form(gate, up, down):
+        return torch.tensor([[0.75], [-1.5]]) * ((F.silu(x @ gate.T) * (x @ up.T)) @ down.T)
+
+    want = closed_form(v12[:I_], v12[I_:], v3)
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert not torch.allclose(out, closed_form(v12[I_:], v12[:I_], v3), rtol=1e-2)  # [up; gate]
+    swapped = ((b12 >> 4) | (b12 << 4)).to(torch.uint8)  # the other nibble order
+    assert not torch.allclose(_op(x, ids, w, [swapped], [b3], [s12], [s3], lo, lo), want, rtol=1e-2)
+
+
+def test_fake_op_refuses_what_the_real_op_refuses(fake_hf, monkeypatch):
+    """RuntimeError where a source says the real op cannot (eager mode, block size, unpermuted
+    weights, an activation outside the kernel's enum, packed shapes); AssertionError where our
+    call differs from every known caller's form (int64 ids, a range that is not the list)."""
+    w13, s13, w2, s2 = experts(1)
+    x, ids, w = routes(1, dtype=torch.bfloat16)
+    ids = torch.zeros(T, 1, dtype=torch.int32)
+    args = (x, ids, w[:, :1].to(x.dtype), [w13[0]], [w2[0]], [s13[0]], [s2[0]], 0, 0)
+    _op(*args)  # lazy mode: a direct call is allowed
+    for over, match in ((dict(block_size=16), "group size is 32"),
+                        (dict(permuted_weights=False), "permuted_weights=True is required"),
+                        (dict(activation="swiglu"), "MoeActivationMode_t")):  # fmt: skip
+        with pytest.raises(RuntimeError, match=match):
+            _op(*args, **over)
+    with pytest.raises(RuntimeError, match=r"packed \(64, 16\)"):
+        _op(x, ids, args[2], [w13[0][:, :16]], [w2[0]], [s13[0]], [s2[0]], 0, 0)
+    with pytest.raises(AssertionError, match="int32"):
+        _op(x, ids.long(), *args[2:])
+    with pytest.raises(AssertionError, match="expert tensors for the range 0..1"):
+        _op(*args[:7], 0, 1)
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "0")
+    with pytest.raises(RuntimeError, match="blocked in eager mode"):
+        _op(*args)
+    # ... while our wrapper runs it in a compiled region there
+    moe.experts_mxfp4(x, ids, w[:, :1], w13, s13, w2, s2, 0, 0)
