@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from dist_glm5.backends import get_backend
 from dist_glm5.bench.generate_vs_hf import best
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,10 @@ def run(args: argparse.Namespace) -> int:
     bf16_dir, mx_dir = small_model_dirs()
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, SMALL["vocab_size"], (args.prompt_len,), generator=g).tolist()
-    models = {"mxfp4": load_model(mx_dir), "bf16": load_model(bf16_dir)}
+    models = {
+        "mxfp4": load_model(mx_dir, ops=get_backend("cpu").ops()),
+        "bf16": load_model(bf16_dir, ops=get_backend("cpu").ops()),
+    }
     cfg = models["bf16"].cfg
     n_params = sum(t.numel() for t in models["bf16"].state_dict().values())
     hf = None

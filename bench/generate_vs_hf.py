@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from dist_glm5.backends import get_backend
+
 log = logging.getLogger(__name__)
 
 
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else ensure_default_model()
-    ours = load_model(model_dir)
+    ours = load_model(model_dir, ops=get_backend("cpu").ops())
     with tempfile.TemporaryDirectory() as tmp:
         hf = GlmMoeDsaForCausalLM.from_pretrained(
             hf_copy(model_dir, Path(tmp)), dtype=ours.dtype

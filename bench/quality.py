@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from dist_glm5.backends import get_backend
+
 log = logging.getLogger(__name__)
 LN2 = math.log(2)
 
@@ -258,7 +260,7 @@ def mxfp4_figures(model_dir, texts) -> dict:
     from dist_glm5.model.reference_loop import full_logits
 
     rows = [list(t[:512]) for t in texts[:6]]
-    ref = load_model(model_dir, dtype=torch.float32)
+    ref = load_model(model_dir, dtype=torch.float32, ops=get_backend("cpu").ops())
     with torch.no_grad():
         want = [full_logits(ref, r).float() for r in rows]
     del ref
@@ -266,7 +268,7 @@ def mxfp4_figures(model_dir, texts) -> dict:
     for rule in ("quark", "ocp"):
         with tempfile.TemporaryDirectory() as tmp:
             convert_glm53(model_dir, Path(tmp) / "m", rule)
-            q = load_model(Path(tmp) / "m", dtype=torch.float32)
+            q = load_model(Path(tmp) / "m", dtype=torch.float32, ops=get_backend("cpu").ops())
             kl, agree, n = 0.0, 0, 0
             with torch.no_grad():
                 for r, w in zip(rows, want):
@@ -308,7 +310,9 @@ def run(args) -> int:
     texts = heldout_texts()
     res: dict = {"model": str(model_dir)}
     if "bpb" in args.only:
-        res["bits_per_byte"] = bpb(load_model(model_dir, dtype=torch.float32), texts)
+        res["bits_per_byte"] = bpb(
+            load_model(model_dir, dtype=torch.float32, ops=get_backend("cpu").ops()), texts
+        )
         log.info("bits/byte: %s", res["bits_per_byte"])
     if "mtp" in args.only:
         res["mtp"] = mtp_figures(model_dir, texts, args.mtp_tokens)

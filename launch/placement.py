@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from dist_glm5.backends import get_backend
+
 log = logging.getLogger(__name__)
 
 
@@ -53,7 +55,7 @@ def record(args: argparse.Namespace) -> int:
     from dist_glm5.planning.expert_placement import RouteRecorder, attach
     from dist_glm5.sampling.params import SamplingParams
 
-    m = load_model(_dir(args))
+    m = load_model(_dir(args), ops=get_backend("cpu").ops())
     rec = RouteRecorder(m.cfg.n_routed_experts)
     attach(m, rec)
     g = torch.Generator().manual_seed(args.seed)

@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+from dist_glm5.backends import get_backend
+
 torch.set_num_threads(1)
 
 ORACLE_INSTALL = 'pip install -e ".[cpu,test,oracles]"'
@@ -65,4 +67,4 @@ def default_model_dir():
 def default_model(default_model_dir):
     from dist_glm5.checkpoint.loader import load_model
 
-    return load_model(default_model_dir)
+    return load_model(default_model_dir, ops=get_backend("cpu").ops())

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hf_tiny import make_hf_model
 
+from dist_glm5.backends import get_backend
 from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.checkpoint.safetensors_io import (
     Checkpoint,
@@ -80,9 +81,9 @@ def test_end_to_end_shard_verify_load_and_quality(bf16_dir, converted, tmp_path)
     assert meta["layers"] == [[0, 2], [2, 3]] and meta["experts"] == [[0, 8], [8, 16]]
     problems, n = verify(sh)
     assert problems == [] and n > 0
-    bf16 = load_model(bf16_dir, dtype=torch.float32)
-    mx_whole = load_model(converted, dtype=torch.float32)
-    mx_sharded = load_model(sh, dtype=torch.float32)
+    bf16 = load_model(bf16_dir, dtype=torch.float32, ops=get_backend("cpu").ops())
+    mx_whole = load_model(converted, dtype=torch.float32, ops=get_backend("cpu").ops())
+    mx_sharded = load_model(sh, dtype=torch.float32, ops=get_backend("cpu").ops())
     kls, agree, total = [], 0, 0
     for p in _prompts():
         a, b = full_logits(bf16, p), full_logits(mx_sharded, p)
@@ -246,5 +247,10 @@ def test_runtime_generates_from_converted_and_sharded(converted, tmp_path):
     sh = tmp_path / "sh"
     shard_checkpoint(converted, sh, stages=2, ep=1)
     p = SamplingParams(max_tokens=8, ignore_eos=True)
-    a = generate(load_model(converted), [_prompts(1)[0]], p)[0].token_ids
-    assert generate(load_model(sh), [_prompts(1)[0]], p)[0].token_ids == a
+    a = generate(load_model(converted, ops=get_backend("cpu").ops()), [_prompts(1)[0]], p)[
+        0
+    ].token_ids
+    assert (
+        generate(load_model(sh, ops=get_backend("cpu").ops()), [_prompts(1)[0]], p)[0].token_ids
+        == a
+    )

@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import dist_glm5.ops.gather as gather
+from dist_glm5.backends import get_backend
 from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa import DSAConfig, gather_plan
@@ -89,7 +90,10 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def sparse_models(default_model_dir):
-    return {name: load_model(default_model_dir).set_dsa(c) for name, c in CONFIGS.items()}
+    return {
+        name: load_model(default_model_dir, ops=get_backend("cpu").ops()).set_dsa(c)
+        for name, c in CONFIGS.items()
+    }
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -165,7 +169,7 @@ class CacheReads(TorchDispatchMode):
 def _cache_reads_of_a_run(model_dir, cap):
     """Prefill two prompts (250 and 90 tokens, one forward) and decode 4 greedy steps on the
     sparse path with the given gather cap, recording every materialised cache read."""
-    m = load_model(model_dir).set_dsa(
+    m = load_model(model_dir, ops=get_backend("cpu").ops()).set_dsa(
         DSAConfig(
             mode="sparse", dense_threshold=0, window=8, gather_cap_bytes=cap, indexer_row_chunk=7
         )

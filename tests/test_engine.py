@@ -12,6 +12,7 @@ import weakref
 import pytest
 from runtime_util import coordinator, prompts
 
+from dist_glm5.backends import get_backend
 from dist_glm5.model.kv_cache import Chunk, PagedKVCache
 from dist_glm5.model.reference_loop import generate
 from dist_glm5.sampling.params import SamplingParams
@@ -300,8 +301,10 @@ def test_sparse_is_bit_identical_through_the_block_tables(default_model_dir):
     from dist_glm5.checkpoint.loader import load_model
     from dist_glm5.model.dsa_config import DSAConfig
 
-    m = load_model(default_model_dir).set_dsa(DSAConfig(mode="sparse", dense_threshold=0))
-    ref = load_model(default_model_dir)
+    m = load_model(default_model_dir, ops=get_backend("cpu").ops()).set_dsa(
+        DSAConfig(mode="sparse", dense_threshold=0)
+    )
+    ref = load_model(default_model_dir, ops=get_backend("cpu").ops())
     ps = prompts([70, 150], seed=3)
     p = greedy(12)
     got = [g.token_ids for g in generate(m, ps, p, block_size=16)]

@@ -65,7 +65,7 @@ def test_the_cpu_backend_chooses_the_kernel_and_the_model_runs_it(mx_dir):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp4_model_greedy_tokens_kernel_equal_reference(mx_dir, dtype):
-    fast = load_model(mx_dir, dtype=dtype)
+    fast = load_model(mx_dir, dtype=dtype, ops=get_backend("cpu").ops())
     ref = load_model(mx_dir, dtype=dtype, ops=reference_ops())
     assert fast.ops.experts.name == "cpu-kernel" and ref.ops.experts.name == "reference"
     want = [g.token_ids for g in generate(ref, PROMPTS, GREEDY)]
@@ -78,7 +78,10 @@ def test_mxfp4_model_greedy_tokens_kernel_equal_reference(mx_dir, dtype):
 def test_fallback_runs_without_the_kernel(mx_dir):
     """DIST_GLM5_KERNELS=0 (as on a machine where the kernel cannot build): the reference runs,
     says so once, and gives the kernel's tokens."""
-    want = [g.token_ids for g in generate(load_model(mx_dir), PROMPTS[:1], GREEDY)]
+    want = [
+        g.token_ids
+        for g in generate(load_model(mx_dir, ops=get_backend("cpu").ops()), PROMPTS[:1], GREEDY)
+    ]
     ids = ",".join(map(str, PROMPTS[0]))
     env = {**os.environ, "DIST_GLM5_KERNELS": "0"}
     r = subprocess.run(

@@ -17,6 +17,7 @@ from conftest import require
 from hf_tiny import make_hf_model
 from mxfp4_ref import decode_independent
 
+from dist_glm5.backends import get_backend
 from dist_glm5.checkpoint.default_model import random_weights
 from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.checkpoint.safetensors_io import Checkpoint, CheckpointError, save_streaming
@@ -185,9 +186,11 @@ def _dequantised_float_copy(quark_dir, repacked, dst):
 
 def test_repacked_logits_equal_dequantised_quark(quark_dir, repacked, tmp_path):
     ref = load_model(
-        _dequantised_float_copy(quark_dir, repacked, tmp_path / "deq"), dtype=torch.float32
+        _dequantised_float_copy(quark_dir, repacked, tmp_path / "deq"),
+        dtype=torch.float32,
+        ops=get_backend("cpu").ops(),
     )
-    ours = load_model(repacked, dtype=torch.float32)
+    ours = load_model(repacked, dtype=torch.float32, ops=get_backend("cpu").ops())
     ids = torch.randint(2, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     torch.testing.assert_close(full_logits(ours, ids), full_logits(ref, ids), rtol=0, atol=1e-5)
     outs = []

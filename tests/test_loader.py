@@ -10,6 +10,7 @@ import pytest
 import torch
 from hf_tiny import save_hf_model
 
+from dist_glm5.backends import get_backend
 from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.checkpoint.safetensors_io import Checkpoint, CheckpointError, save_streaming
 from dist_glm5.model.reference_loop import full_logits
@@ -36,7 +37,7 @@ def _variant(hf_dir, tmp_path, edit):
 
 def _fails(d, *needles):
     with pytest.raises(CheckpointError) as e:
-        load_model(d)
+        load_model(d, ops=get_backend("cpu").ops())
     for n in needles:
         assert n in str(e.value), str(e.value)
 
@@ -127,7 +128,10 @@ def test_sharded_checkpoint_loads_identically(hf_dir, tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
     ids = list(range(2, 40))
     torch.testing.assert_close(
-        full_logits(load_model(d), ids), full_logits(load_model(hf_dir), ids), rtol=0, atol=0
+        full_logits(load_model(d, ops=get_backend("cpu").ops()), ids),
+        full_logits(load_model(hf_dir, ops=get_backend("cpu").ops()), ids),
+        rtol=0,
+        atol=0,
     )
     # an index that names a tensor its file does not hold
     wm[names[0]] = "model-00002-of-00002.safetensors"
@@ -143,5 +147,5 @@ def test_tensors_are_memory_mapped(hf_dir):
 
 
 def test_stage_loads_only_its_layers(hf_dir):
-    m = load_model(hf_dir, layers=range(1, 2))
+    m = load_model(hf_dir, layers=range(1, 2), ops=get_backend("cpu").ops())
     assert m.cache_layers == [1] and m.model.embed_tokens is None and m.lm_head is not None

@@ -12,6 +12,7 @@ import signal
 import pytest
 from runtime_util import prompts, ray_nodes
 
+from dist_glm5.backends import get_backend
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.model.reference_loop import generate
@@ -97,7 +98,7 @@ def test_placement_on_two_ep_ranks_keeps_outputs(cluster, default_model_dir, wan
     from dist_glm5.checkpoint.loader import load_model
     from dist_glm5.planning.expert_placement import RouteRecorder, attach, fit_placement
 
-    m = load_model(default_model_dir)
+    m = load_model(default_model_dir, ops=get_backend("cpu").ops())
     rec = RouteRecorder(m.cfg.n_routed_experts)
     attach(m, rec)
     generate(m, PROMPTS, GREEDY)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from runtime_util import coordinator, prompts
 
+from dist_glm5.backends import get_backend
 from dist_glm5.model.reference_loop import generate
 from dist_glm5.sampling.params import SamplingParams
 from dist_glm5.sampling.rejection import verify_draft
@@ -42,7 +43,7 @@ def test_bfloat16_serving_dtype_equals_generate_in_bfloat16(default_model_dir, r
     from dist_glm5.checkpoint.loader import load_model
 
     ps, _ = reference
-    model = load_model(default_model_dir, dtype=torch.bfloat16)
+    model = load_model(default_model_dir, dtype=torch.bfloat16, ops=get_backend("cpu").ops())
     want = [g.token_ids for g in generate(model, ps, GREEDY)]
     c = coordinator(default_model_dir, mtp=True, dtype="bfloat16", chunk_tokens=48)
     assert c.pipeline.worker.model.dtype == torch.bfloat16

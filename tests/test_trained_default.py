@@ -10,6 +10,7 @@ import pytest
 import torch
 from runtime_util import require_trained_weights
 
+from dist_glm5.backends import get_backend
 from dist_glm5.checkpoint.default_model import TRAINED_DIR, ensure_default_model
 from dist_glm5.checkpoint.default_model.corpus import frozen_heldout
 
@@ -25,7 +26,7 @@ require_trained_weights()
 def ours():
     from dist_glm5.checkpoint.loader import load_model
 
-    return load_model(TRAINED_DIR, dtype=torch.float32)
+    return load_model(TRAINED_DIR, dtype=torch.float32, ops=get_backend("cpu").ops())
 
 
 def _slice() -> list[list[int]]:

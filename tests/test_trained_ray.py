@@ -11,6 +11,7 @@ import pytest
 import torch
 from runtime_util import ray_nodes, require_trained_weights
 
+from dist_glm5.backends import get_backend
 from dist_glm5.checkpoint.default_model import TRAINED_DIR
 from dist_glm5.checkpoint.default_model.corpus import frozen_heldout, make_needles, needle_prompt
 from dist_glm5.model.config import ModelConfig
@@ -129,7 +130,7 @@ def needle_answer(cluster):
         (s,) = c.run([prompt], params)
     finally:
         c.close()
-    ref = load_model(TRAINED_DIR, dtype=torch.float32)
+    ref = load_model(TRAINED_DIR, dtype=torch.float32, ops=get_backend("cpu").ops())
     (r,) = generate(ref, [prompt], params)
     return bytes(s.output).decode("utf-8", "replace"), value, bytes(r.token_ids).decode()
 

@@ -15,6 +15,7 @@ import torch
 from conftest import require
 from hf_tiny import CONFIGS, save_hf_model, selecting
 
+from dist_glm5.backends import get_backend
 from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.model.reference_loop import full_logits, generate
 from dist_glm5.sampling.params import SamplingParams
@@ -33,7 +34,7 @@ def test_compared_configs_cover_every_rope_type_with_selection():
 def pair(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     ref = save_hf_model(request.param, d)
-    return ref, load_model(d), request.param
+    return ref, load_model(d, ops=get_backend("cpu").ops()), request.param
 
 
 def _without_selection(ref, min_topk: int):

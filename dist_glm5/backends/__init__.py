@@ -37,8 +37,3 @@ def get_backend(name: str) -> Backend:
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}: choose one of {sorted(_REGISTRY)}")
     return importlib.import_module(_REGISTRY[name]).load()
-
-
-def default_ops() -> "Ops":
-    """What a model built without explicit ops runs: the CPU backend's choice."""
-    return get_backend("cpu").ops()

@@ -25,6 +25,7 @@ from dist_glm5.checkpoint.shards import open_checkpoint
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.glm5 import Glm5Model
 from dist_glm5.model.moe import MXFP4Experts
+from dist_glm5.ops import Ops, reference_ops
 
 log = logging.getLogger(__name__)
 
@@ -280,9 +281,10 @@ def load_checkpoint(
 
 
 def meta_model(cfg: ModelConfig, **stage) -> Glm5Model:
-    """The model's structure without memory: enough to list the tensors a checkpoint must hold."""
+    """The model's structure without memory: enough to list the tensors a checkpoint must hold.
+    Built with the references: no op runs on a meta model, and the ops change no tensor."""
     with torch.device("meta"):
-        return Glm5Model(cfg, **stage)
+        return Glm5Model(cfg, ops=reference_ops(), **stage)
 
 
 def _show(names: list[str], limit: int = 12) -> str:
@@ -311,14 +313,17 @@ def load_model(
     dtype: torch.dtype | None = None,
     shard: tuple[int | None, int | None] = (None, None),
     placement: dict[int, list[int]] | None = None,
+    *,
+    ops: Ops,
     **stage,
 ) -> Glm5Model:
     """Config + weights from a checkpoint directory. dtype: compute dtype (default: the config's).
+    ops: the hot ops, the caller's choice (its backend's, or `get_backend("cpu").ops()`).
     `stage` keywords (layers=, experts=, ...) build one pipeline stage / EP rank of the model."""
     cfg = ModelConfig.from_hf(directory)
     dtype = dtype or _dtype_of(cfg)
     with _skip_init():
-        model = Glm5Model(cfg, **stage).to(dtype)
+        model = Glm5Model(cfg, ops=ops, **stage).to(dtype)
     for mname, mod in model.named_modules():  # the router computes in fp32 whatever the model dtype
         if mname.endswith("mlp.gate"):
             mod.float()

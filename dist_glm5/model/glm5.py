@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dist_glm5.backends import default_ops
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa import DSAConfig
 from dist_glm5.model.kv_cache import ForwardBatch, PagedKVCache
@@ -51,10 +50,12 @@ class Glm5Model(nn.Module):
         head: bool | None = None,
         mtp: bool | None = None,
         experts: range | None = None,
-        ops: Ops | None = None,
+        *,
+        ops: Ops,
     ):
-        """ops: the hot ops every layer runs (dist_glm5.ops.Ops), chosen once here; default the
-        CPU backend's (the packed MXFP4 kernel when it builds)."""
+        """ops: the hot ops every layer runs (dist_glm5.ops.Ops), chosen by whoever builds the
+        model (a worker: its backend's; a test or tool: `get_backend("cpu").ops()` or
+        `reference_ops()`): the model picks no backend itself."""
         super().__init__()
         n = cfg.num_hidden_layers
         layers = range(n) if layers is None else layers
@@ -81,7 +82,7 @@ class Glm5Model(nn.Module):
                 f"expert range {experts} must be a non-empty contiguous part of "
                 f"0..{cfg.n_routed_experts - 1}"
             )
-        self.ops = ops or default_ops()
+        self.ops = ops
         self.model = Trunk(cfg, layers, embed, head, mtp, self.experts, self.ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
         self.has_mtp = mtp

@@ -38,11 +38,9 @@ def cache_root() -> Path:
 def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Deterministic weights under HF names; scales chosen so activations stay O(1) through the
     stack."""
-    from dist_glm5.checkpoint.loader import hf_state_dict
-    from dist_glm5.model.glm5 import Glm5Model
+    from dist_glm5.checkpoint.loader import hf_state_dict, meta_model
 
-    with torch.device("meta"):
-        shapes = {k: (tuple(v.shape), v.dtype) for k, v in hf_state_dict(Glm5Model(cfg)).items()}
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in hf_state_dict(meta_model(cfg)).items()}
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name in sorted(shapes):
