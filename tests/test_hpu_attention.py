@@ -1,7 +1,8 @@
 """Gaudi attention, norm and rope against the CPU references, on the recording fake.
 
 FusedSDPA's call contract (positional bridge-1.19 order, additive -inf bias in q's dtype
-[B, 1, n, L], not causal, no dropout, softmax "None" and never "fast"), and every form's output
+[B, 1, n, L], not causal, no dropout, softmax "None" and never "fast"; the fake tells "fast"
+apart in bf16 but cannot tell "None" from "fp32"), and every form's output
 against its CPU reference with padding: padded query rows, masked keys, key lists that are not a
 whole number of chunks, several capped chunks.
 """
@@ -12,7 +13,7 @@ import hpu_fake
 import pytest
 import torch
 
-from dist_glm5.backends.hpu import attention, norm_rope
+from dist_glm5.backends.hpu import _hf, attention, norm_rope
 from dist_glm5.model.rope import RopeTable
 from dist_glm5.ops import attention as ref
 from dist_glm5.ops.gather import attn_key_bytes, decode_row_bytes
@@ -80,6 +81,42 @@ def test_softmax_mode_is_never_fast(fake_hf, monkeypatch):
         attention.mla_expanded(*inputs, 0.3, NOPE, mode="fast")
     modes = {a[7] for a, _ in fake_hf.calls("FusedSDPA.apply")}
     assert modes == {"None", "fp32"}
+
+
+def test_fake_sdpa_tells_fast_apart_but_not_none_from_fp32(fake_hf):
+    """Said plainly: the fake cannot tell "None" from "fp32" (no source says what either changes
+    in the kernel; both are computed exactly here), so for those two only the recorded argument
+    shows which mode we pass. "fast" is told apart in bf16 by its one sourced difference, the
+    inverse row sum kept in bf16 (tests/fake_habana/.../hpex/kernels)."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, s, 8, generator=g) for s in (16, 64, 64))
+    sdpa = _hf.fused_sdpa()
+    for dtype, fast_differs in ((torch.bfloat16, True), (torch.float32, False)):
+        args = (q.to(dtype), k.to(dtype), v.to(dtype), None, 0.0, False, None)
+        out = {m: sdpa.apply(*args, m) for m in ("None", "none", "fp32", "fast")}
+        assert torch.equal(out["None"], out["none"]) and torch.equal(out["None"], out["fp32"])
+        assert torch.equal(out["None"], out["fast"]) is not fast_differs, dtype
+
+
+@pytest.mark.parametrize("env", [None, "None", "fp32"])
+def test_hpu_attention_passes_the_mode_it_claims(fake_hf, monkeypatch, env):
+    """The recorded mode is the one softmax_mode() names, and in bf16 the output is the fake's
+    output for that mode, not for "fast" (for "fp32" that cannot tell it from "None": above)."""
+    if env is None:
+        monkeypatch.delenv(attention.SOFTMAX_ENV, raising=False)
+    else:
+        monkeypatch.setenv(attention.SOFTMAX_ENV, env)
+    claimed = attention.softmax_mode()
+    assert claimed == (env or "None")
+    out = attention.mla_expanded(*mla_inputs(torch.bfloat16), 0.3, NOPE)
+    ((args, _),) = fake_hf.calls("FusedSDPA.apply")
+    assert args[7] == claimed
+    sdpa = _hf.fused_sdpa()
+
+    def rerun(mode):
+        return sdpa.apply(*args[:7], mode, *args[8:]).transpose(1, 2)
+
+    assert torch.equal(out, rerun(claimed)) and not torch.equal(out, rerun("fast"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -34,7 +34,11 @@ SOFTMAX_MODES = ("None", "fp32")
 
 
 def softmax_mode(environ=None) -> str:
-    """The FusedSDPA softmax mode: DIST_GLM5_HPU_SOFTMAX in {"None", "fp32"}, default "None"."""
+    """The FusedSDPA softmax mode: DIST_GLM5_HPU_SOFTMAX in {"None", "fp32"}, default "None".
+
+    What each mode changes in the kernel is not public (gaudi.md section 2): only that "fast"
+    keeps the inverse row sum in bf16 for bf16 inputs (the bridge's fp8 meta). So the recording
+    fake can check which mode is passed, not that "fp32" is more accurate than "None"."""
     mode = (os.environ if environ is None else environ).get(SOFTMAX_ENV, "None")
     if mode not in SOFTMAX_MODES:
         raise ValueError(
