@@ -31,10 +31,10 @@ FORBIDDEN = {
 }
 
 
-def _modules():
+def _modules(root: Path = ROOT):
     for folder, pkg in FOLDERS.items():
-        for f in sorted((ROOT / folder).rglob("*.py")):
-            rel = f.relative_to(ROOT / folder).with_suffix("")
+        for f in sorted((root / folder).rglob("*.py")):
+            rel = f.relative_to(root / folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
             name = ".".join([pkg, *parts])
             yield pkg, name, f.name == "__init__.py", f
@@ -137,3 +137,135 @@ def test_readme_layout_table_matches_tree():
     )
     missing = expected - listed
     assert not missing, f"folders missing from README's layout table: {sorted(missing)}"
+
+
+# ---- the core's rooms: who may import whom ----------------------------------------------------
+# (importer, what it may not import, why). The hot-ops seam is a leaf under the model; the model
+# is handed its ops and picks no backend; a kernel gets its fallback passed in; sampling reads a
+# tokenizer by what it offers.
+RULES = [
+    ("dist_glm5.model", "dist_glm5.backends", "the model is handed its ops (Glm5Model(ops=))"),
+    ("dist_glm5.ops", "dist_glm5.model", "the references live in ops/; the model imports them"),
+    ("dist_glm5.kernels", "dist_glm5.ops", "a kernel's fallback is passed in (fallback=)"),
+    ("dist_glm5.kernels", "dist_glm5.backends", "the backend picks the kernel, not the reverse"),
+    ("dist_glm5.sampling", "dist_glm5.checkpoint", "grammar reads a tokenizer by what it offers"),
+]
+# the core's subpackages, between which no import may run in a circle
+CORE = ("model", "ops", "quant", "checkpoint", "planning", "obs", "sampling", "backends", "kernels")
+
+
+def _inside(mod: str, pkg: str) -> bool:
+    return mod == pkg or mod.startswith(pkg + ".")
+
+
+def _package_imports(root: Path = ROOT) -> dict[str, set[str]]:
+    """module -> what it imports, for the modules of the installed package only: a file in a
+    folder without __init__.py (kernels/tpc/torch_op/setup.py, a build script run by hand on a
+    Gaudi image) is no module anyone imports, so it can tie no knot."""
+    out = {}
+    for _pkg, name, is_pkg, path in _modules(root):
+        folder = next(f for f, p in FOLDERS.items() if p == _pkg)
+        d = path.parent
+        while d != root / folder and (d / "__init__.py").exists():
+            d = d.parent
+        if d == root / folder:
+            out[name] = _imports(name, is_pkg, path)
+    return out
+
+
+def _rule_violations(imports: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{name} imports {mod}: {why}"
+        for name, mods in imports.items()
+        for src, dst, why in RULES
+        if _inside(name, src)
+        for mod in mods
+        if _inside(mod, dst)
+    )
+
+
+def _room(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "dist_glm5" and parts[1] in CORE else None
+
+
+def _circles(imports: dict[str, set[str]]) -> list[list[str]]:
+    """Circles of imports between the core's subpackages (each circle once, as a room path)."""
+    arrows: dict[str, set[str]] = {}
+    for name, mods in imports.items():
+        a = _room(name)
+        for mod in mods:
+            b = _room(mod)
+            if a and b and a != b:
+                arrows.setdefault(a, set()).add(b)
+    found = []
+
+    def walk(path: list[str]) -> None:
+        for b in sorted(arrows.get(path[-1], ())):
+            if b == path[0]:
+                found.append(path + [b])
+            elif b not in path and b > path[0]:  # each circle from its smallest room only
+                walk(path + [b])
+
+    for a in sorted(arrows):
+        walk([a])
+    return found
+
+
+def test_core_rooms_keep_their_rules():
+    bad = _rule_violations(_package_imports())
+    assert not bad, "imports against the core's rules:\n" + "\n".join(bad)
+
+
+def test_no_import_circle_among_the_core_subpackages():
+    circles = _circles(_package_imports())
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_the_rules_and_the_circle_check_catch_violations(tmp_path):
+    # negative control: a synthetic tree breaking each rule (lazily, relatively, as a package
+    # import) and tying a circle; the checkers name every one of them
+    files = {
+        "dist_glm5/__init__.py": "",
+        "dist_glm5/model/__init__.py": "",
+        "dist_glm5/model/glm5.py": "def f():\n    from dist_glm5.backends import get_backend\n",
+        "dist_glm5/ops/__init__.py": "from ..model import mla\n",
+        "dist_glm5/sampling/__init__.py": "",
+        "dist_glm5/sampling/grammar.py": "import dist_glm5.checkpoint.tokenizer\n",
+        "dist_glm5/checkpoint/__init__.py": "",
+        "dist_glm5/backends/__init__.py": "from dist_glm5.kernels import mxfp4_moe\n",
+        "kernels/__init__.py": "",
+        "kernels/mxfp4_moe.py": "from dist_glm5.ops.experts import REFERENCE\n",
+        "kernels/dsa_select.py": "from dist_glm5 import backends\n",
+        "kernels/tools/setup.py": "from dist_glm5.backends import hpu\n",  # no package: ignored
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    for folder in FOLDERS:
+        (tmp_path / folder).mkdir(exist_ok=True)
+    imports = _package_imports(tmp_path)
+    assert "dist_glm5.kernels.tools.setup" not in imports
+    bad = {line.split(":")[0] for line in _rule_violations(imports)}
+    assert bad == {
+        "dist_glm5.model.glm5 imports dist_glm5.backends",
+        "dist_glm5.model.glm5 imports dist_glm5.backends.get_backend",
+        "dist_glm5.ops imports dist_glm5.model",
+        "dist_glm5.ops imports dist_glm5.model.mla",
+        "dist_glm5.sampling.grammar imports dist_glm5.checkpoint.tokenizer",
+        "dist_glm5.kernels.mxfp4_moe imports dist_glm5.ops.experts",
+        "dist_glm5.kernels.mxfp4_moe imports dist_glm5.ops.experts.REFERENCE",
+        "dist_glm5.kernels.dsa_select imports dist_glm5.backends",
+    }, bad
+    assert _circles(imports) == [
+        ["backends", "kernels", "backends"],
+        ["backends", "kernels", "ops", "model", "backends"],
+    ]
+    # and the real tree's rules are the ones the tests above hold it to
+    assert {(a, b) for a, b, _ in RULES} >= {
+        ("dist_glm5.model", "dist_glm5.backends"),
+        ("dist_glm5.ops", "dist_glm5.model"),
+        ("dist_glm5.kernels", "dist_glm5.ops"),
+        ("dist_glm5.kernels", "dist_glm5.backends"),
+        ("dist_glm5.sampling", "dist_glm5.checkpoint"),
+    }
