@@ -158,7 +158,22 @@ def test_progress_lines_and_timing_record_per_stage(tmp_path):
     assert 0 < t["ttft_s"] <= t["total_s"] and t["prefill_tok_s"] > 0
     # both workers reported their resident memory (each holds at least torch and its weights)
     assert sorted(t["peak_rss_mib"]) == ["0", "1"]
-    assert all(v > 50 for v in t["peak_rss_mib"].values())
+    # ... and at this short context the planner's total per stage (mostly its runtime term,
+    # measured) is what they hold
+    import argparse
+
+    from dist_glm5.checkpoint.default_model import ensure_default_model
+    from dist_glm5.launch import batch
+    from dist_glm5.model.config import ModelConfig
+
+    p = argparse.ArgumentParser()
+    batch.register(p)
+    b = p.parse_args([*args, "--chunk-tokens", str(chunk)])
+    ctx = -(-(n + 3) // b.block_size) * b.block_size
+    plan = batch.memory_plan(b, ModelConfig.from_hf(ensure_default_model()), ctx, b.cache_blocks)
+    for s, _, m in plan.stages:
+        got = t["peak_rss_mib"][str(s)] * 2**20
+        assert 0.8 * m.total <= got <= 1.2 * m.total, (s, got / 2**20, m.total / 2**20)
 
 
 def test_a_plan_that_does_not_fit_is_refused_naming_the_flags():

@@ -9,6 +9,9 @@ workspace    a prefill chunk's activations, the indexer's score rows and DSA kee
              capped gathers with their attention temporaries (a few multiples of the gather cap)
 runtime      the process itself (Python, torch, Ray worker): a measured constant per backend
 Figures for real hardware are computed, never measured here.
+
+Checked against runs here (CPU, the embedded model, bench long-job; tests/test_worker_memory.py):
+the runtime and the indexer's score temporaries were the terms off, and are measured below.
 """
 
 from __future__ import annotations
@@ -16,10 +19,21 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from dist_glm5.model.config import ModelConfig
-from dist_glm5.model.dsa import DSAConfig
+from dist_glm5.model.dsa import DSAConfig, score_rows
 
 GIB = 1 << 30
-RUNTIME_BYTES = {"cpu": int(1.0 * GIB), "hpu": int(3.0 * GIB)}
+MIB = 1 << 20
+# cpu: a stage worker's resident memory before its cache and workspaces fill (Python, torch 2.13,
+# the Ray worker runtime, the dist_glm5 modules): 254-272 MiB measured here (VmHWM of Ray workers
+# at 4K, and at 87K minus the other terms); it was 1 GiB, which put the plan 3x over a run at 4K.
+# hpu: an allowance for the bridge and graph caches (not measured: no card here).
+RUNTIME_BYTES = {"cpu": 272 * MIB, "hpu": int(3.0 * GIB)}
+# Bytes held per (query row, key) while a full layer selects its keys, per backend's top-k:
+# cpu (select_topk_sorted): the fp32 scores, their causal-masked fp32 copy, the causal mask and
+# its inverse, the keep mask and its causal AND: 11.1-12.3 B measured (one select() of 256 rows
+# over 200K-640K keys, VmHWM growth less the keep mask); hpu (bisection): fp32 scores, int32
+# order keys, a mask, the budget dsa.score_rows sizes its row blocks by (not measured).
+SCORE_BYTES = {"cpu": 12, "hpu": 9}
 
 
 @dataclass(frozen=True)
@@ -126,6 +140,14 @@ def model_weight_bytes(
 _DEFAULT_DSA = DSAConfig()
 
 
+def score_bytes(dsa: DSAConfig, chunk_tokens: int, context: int, backend: str = "cpu") -> int:
+    """What a full layer's key selection holds at once for one prefill chunk, its keep mask
+    aside: the row block dsa.select scores at once (sized so that 9 B per element stay under the
+    gather cap) at what the backend's top-k holds per element."""
+    rows = min(score_rows(dsa, max(1, context)), chunk_tokens)
+    return rows * context * SCORE_BYTES[backend]
+
+
 def worker_memory(
     cfg: ModelConfig,
     layers: range,
@@ -162,8 +184,7 @@ def worker_memory(
     # Each capped temporary costs what this context needs of it, at most its cap (a small context
     # never fills a 512 MB cap).
     cap = dsa.gather_cap_bytes
-    rows = min(dsa.indexer_row_chunk, chunk_tokens)
-    scores = min(cap, rows * context * 9)  # score rows: fp32 scores, int32 keys, masks
+    scores = score_bytes(dsa, chunk_tokens, context, backend)
     masks = (
         2 * chunk_tokens * context
     )  # a full layer's keep-mask, held for the shared layer after it
