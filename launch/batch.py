@@ -132,10 +132,9 @@ def run(args: argparse.Namespace) -> int:
     blocks = cache_blocks_for(args, ctx)
     verdict = memory_plan(args, cfg, ctx, blocks)
     log.info("%s", verdict.text)
+    verdict.check()  # raises naming what would fit
     if args.dry_run:
-        verdict.check()
         return 0
-    verdict.check()
     if out_path.exists() and out_path.read_bytes() and not out_path.read_bytes().endswith(b"\n"):
         with open(
             out_path, "ab"
