@@ -19,35 +19,6 @@ from dist_glm5.model.router import Router
 from dist_glm5.ops import Ops
 
 
-def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    # x: [n, H], w13: [2I, H] ([gate; up]), w2: [H, I] -> [n, H]
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
-
-
-def experts_reference(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    expert_weights,
-    first_expert: int,
-    num_local: int,
-) -> torch.Tensor:
-    """x: [T, H], weights/ids: [T, k] -> [T, H], the sum over this rank's experts only.
-
-    expert_weights(e_local) -> (w13 [2I, H], w2 [H, I]) in x's dtype (decoded if quantised).
-    """
-    out = torch.zeros_like(x)
-    local = ids.long() - first_expert
-    hit = (local >= 0) & (local < num_local)
-    for e in torch.unique(local[hit]).tolist():  # ascending id order, as the reference model
-        tok, slot = torch.where(local == e)
-        w13, w2 = expert_weights(e)
-        y = swiglu(x[tok], w13, w2) * weights[tok, slot, None].to(x.dtype)
-        out.index_add_(0, tok, y)
-    return out
-
-
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
