@@ -73,15 +73,8 @@ def build_app(
     limits: Limits = DEFAULT_LIMITS,
 ) -> FastAPI:
     lag = LoopLag()
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI):
-        task = asyncio.ensure_future(lag.run())
-        yield
-        task.cancel()
-
     app = FastAPI(
-        lifespan=lifespan,
+        lifespan=_lifespan(lag),
         title="dist-glm5",
         summary="An OpenAI-compatible API for GLM-5 on the dist-glm5 runtime.",
         version="0.1.0",
@@ -104,10 +97,7 @@ def build_app(
     @app.head("/health", include_in_schema=False)
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     def health():
-        h = engine.health()
-        if h.ok:
-            return Health(status="ok")
-        return JSONResponse(Health(status="unavailable", detail=h.detail).model_dump(), 503)
+        return _health(engine)
 
     api = APIRouter(dependencies=[Depends(bearer)], responses=_ERRORS)
 
@@ -161,6 +151,25 @@ def build_app(
     app.include_router(api)
     app.openapi = lambda: _openapi(app)
     return app
+
+
+def _lifespan(lag: LoopLag):
+    """The loop-lag monitor runs while the server does."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        task = asyncio.ensure_future(lag.run())
+        yield
+        task.cancel()
+
+    return lifespan
+
+
+def _health(engine: EngineClient):
+    h = engine.health()
+    if h.ok:
+        return Health(status="ok")
+    return JSONResponse(Health(status="unavailable", detail=h.detail).model_dump(), 503)
 
 
 def tokenize_body(model: ModelInfo, limits: Limits, raw: bytes) -> dict:
