@@ -366,7 +366,8 @@ def _engine_request(
             include_stop_str_in_output=req.include_stop_str_in_output,
         )
     except ValueError as e:  # SamplingParams' own checks name the field first
-        raise ApiError(400, str(e), str(e).split("=")[0]) from None
+        field = re.match(r"[a-z_]+", str(e))  # "top_k=2.5 ...", "logit_bias entry ..."
+        raise ApiError(400, str(e), field.group(0) if field else None) from None
     so = req.stream_options
     return EngineRequest(
         prompts,
