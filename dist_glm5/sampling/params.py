@@ -37,74 +37,44 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) in the text
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            v = repr(getattr(self, name))
-            return ValueError(f"{name}={v if len(v) <= 60 else v[:57] + '...'} {why}")
-
         # types first: a value of the wrong type must never reach the engine's math
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "frequency_penalty",
-            "presence_penalty",
-            "repetition_penalty",
-        ):
-            v = getattr(self, name)
-            if not _is_finite(v):
-                raise bad(name, "must be a finite number")
-            object.__setattr__(self, name, float(v))
-        for name in ("top_k", "max_tokens", "min_tokens"):
-            if not _is_int(getattr(self, name)):
-                raise bad(name, "must be an integer")
-        for name in ("seed", "logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None and not _is_int(getattr(self, name)):
-                raise bad(name, "must be an integer or null")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            v = getattr(self, name)
-            if not isinstance(v, bool) and not (v is None and name == "skip_special_tokens"):
-                raise bad(name, "must be true or false")
-        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
-            raise bad("grammar", "must be a GrammarSpec")
+        for name, holds, why in _TYPES:
+            if not holds(getattr(self, name)):
+                raise self._bad(name, why)
+        for name in _FLOATS:
+            object.__setattr__(self, name, float(getattr(self, name)))
         if self.grammar is not None and self.ignore_eos:
-            raise bad("ignore_eos", "cannot be combined with a grammar (it ends with EOS)")
-        if not self.temperature >= 0:
-            raise bad("temperature", "must be >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if self.top_k < 0:
-            raise bad("top_k", "must be >= 0 (0 turns it off)")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise bad(name, "must be in [-2, 2]")
-        if not self.repetition_penalty > 0:
-            raise bad("repetition_penalty", "must be > 0 (1 turns it off)")
-        if self.max_tokens < 0:
-            raise bad("max_tokens", "must be >= 0")
-        if not 0 <= self.min_tokens:
-            raise bad("min_tokens", "must be >= 0")
-        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
-            raise bad("seed", "must be in [-2**63, 2**64)")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and not 0 <= v <= 20:
-                raise bad(name, "must be between 0 and 20")
+            raise self._bad("ignore_eos", "cannot be combined with a grammar (it ends with EOS)")
+        for name, holds, why in _RANGES:
+            if not holds(getattr(self, name)):
+                raise self._bad(name, why)
+        self._normalise_stops()
+        self._normalise_bad_words()
+        self._normalise_logit_bias()
+
+    def _bad(self, name: str, why: str) -> ValueError:
+        v = repr(getattr(self, name))
+        return ValueError(f"{name}={v if len(v) <= 60 else v[:57] + '...'} {why}")
+
+    def _normalise_stops(self) -> None:
         object.__setattr__(self, "stop_token_ids", _ints(self.stop_token_ids, "stop_token_ids"))
         if isinstance(self.stop, str) or not _is_seq(self.stop):
-            raise bad("stop", "must be a list of strings")
+            raise self._bad("stop", "must be a list of strings")
         if not all(isinstance(x, str) and x for x in self.stop):
-            raise bad("stop", "must hold non-empty strings only")
+            raise self._bad("stop", "must hold non-empty strings only")
         object.__setattr__(self, "stop", tuple(self.stop))
+
+    def _normalise_bad_words(self) -> None:
         if not _is_seq(self.bad_words) or not all(_is_seq(w) for w in self.bad_words):
-            raise bad("bad_words", "must be a list of token-id lists")
+            raise self._bad("bad_words", "must be a list of token-id lists")
         words = tuple(_ints(w, "bad_words") for w in self.bad_words)
         if any(len(w) == 0 for w in words):
-            raise bad("bad_words", "must not contain an empty word")
+            raise self._bad("bad_words", "must not contain an empty word")
         object.__setattr__(self, "bad_words", words)
+
+    def _normalise_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):
-            raise bad("logit_bias", "must map token ids to numbers")
+            raise self._bad("logit_bias", "must map token ids to numbers")
         bias = {}
         for k, v in self.logit_bias.items():
             tok = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
@@ -157,3 +127,49 @@ def _ints(v, name: str) -> tuple[int, ...]:
     if not _is_seq(v) or not all(_is_int(t) for t in v):
         raise ValueError(f"{name}={v!r} must be a list of integer token ids")
     return tuple(v)
+
+
+def _optional(holds):
+    return lambda v: v is None or holds(v)
+
+
+def _is_bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+_FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
+# (field, holds, why), checked in this order: the first failure is the one reported
+_TYPES = (
+    *((name, _is_finite, "must be a finite number") for name in _FLOATS),
+    *((name, _is_int, "must be an integer") for name in ("top_k", "max_tokens", "min_tokens")),
+    *(
+        (name, _optional(_is_int), "must be an integer or null")
+        for name in ("seed", "logprobs", "prompt_logprobs")
+    ),
+    ("ignore_eos", _is_bool, "must be true or false"),
+    ("skip_special_tokens", _optional(_is_bool), "must be true or false"),
+    ("include_stop_str_in_output", _is_bool, "must be true or false"),
+    ("grammar", _optional(lambda v: isinstance(v, GrammarSpec)), "must be a GrammarSpec"),
+)
+# after the types (the floats are floats by then), before the lists
+_RANGES = (
+    ("temperature", lambda v: v >= 0, "must be >= 0 (0 means greedy)"),
+    ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    ("top_k", lambda v: v >= 0, "must be >= 0 (0 turns it off)"),
+    ("min_p", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    ("frequency_penalty", lambda v: -2 <= v <= 2, "must be in [-2, 2]"),
+    ("presence_penalty", lambda v: -2 <= v <= 2, "must be in [-2, 2]"),
+    ("repetition_penalty", lambda v: v > 0, "must be > 0 (1 turns it off)"),
+    ("max_tokens", lambda v: v >= 0, "must be >= 0"),
+    ("min_tokens", lambda v: v >= 0, "must be >= 0"),
+    ("seed", _optional(lambda v: -(1 << 63) <= v < (1 << 64)), "must be in [-2**63, 2**64)"),
+    ("logprobs", _optional(lambda v: 0 <= v <= 20), "must be between 0 and 20"),
+    ("prompt_logprobs", _optional(lambda v: 0 <= v <= 20), "must be between 0 and 20"),
+)
