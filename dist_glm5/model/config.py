@@ -138,57 +138,70 @@ class ModelConfig:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, value: Any, allowed: str) -> ValueError:
-            return ValueError(f"config field {name}={value!r} is invalid: {allowed}")
-
-        positive = (
-            "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers "
-            "num_attention_heads n_routed_experts kv_lora_rank q_lora_rank qk_rope_head_dim "
-            "v_head_dim qk_nope_head_dim n_group topk_group num_experts_per_tok "
-            "max_position_embeddings index_topk index_head_dim index_n_heads"
-        ).split()
-        for name in positive:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise bad(name, v, "must be a positive integer")
-        for name in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise bad(name, v, "must be a non-negative integer")
+        """Checks in a fixed order: the first invalid field is the one reported."""
+        self._check_integers()
         if self.hidden_act != "silu":
-            raise bad("hidden_act", self.hidden_act, "only 'silu' is supported")
+            raise _bad("hidden_act", self.hidden_act, "only 'silu' is supported")
+        self._check_attention()
+        self._check_routing()
+        if not (self.rms_norm_eps > 0):
+            raise _bad("rms_norm_eps", self.rms_norm_eps, "must be > 0")
+        self._check_layer_types()
+        _check_rope(self.rope)
+        self._check_quantization()
+        for tid in self.eos_token_id:
+            if not 0 <= tid < self.vocab_size:
+                raise _bad(
+                    "eos_token_id",
+                    list(self.eos_token_id),
+                    f"ids must be in 0..vocab_size-1={self.vocab_size - 1}",
+                )
+
+    def _check_integers(self) -> None:
+        for names, least, allowed in (
+            (_POSITIVE, 1, "must be a positive integer"),
+            (_NON_NEGATIVE, 0, "must be a non-negative integer"),
+        ):
+            for name in names:
+                v = getattr(self, name)
+                if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                    raise _bad(name, v, allowed)
+
+    def _check_attention(self) -> None:
         if self.qk_rope_head_dim % 2:
-            raise bad(
+            raise _bad(
                 "qk_rope_head_dim", self.qk_rope_head_dim, "must be even (RoPE rotates pairs)"
             )
         if self.index_head_dim < self.qk_rope_head_dim:
-            raise bad(
+            raise _bad(
                 "index_head_dim",
                 self.index_head_dim,
                 f"must be >= qk_rope_head_dim={self.qk_rope_head_dim}",
             )
         if self.num_key_value_heads != self.num_attention_heads:
-            raise bad(
+            raise _bad(
                 "num_key_value_heads",
                 self.num_key_value_heads,
                 "MLA expands one latent into every head; must equal "
                 f"num_attention_heads={self.num_attention_heads}",
             )
+
+    def _check_routing(self) -> None:
         if self.n_routed_experts % self.n_group:
-            raise bad(
+            raise _bad(
                 "n_group", self.n_group, f"must divide n_routed_experts={self.n_routed_experts}"
             )
-        if self.n_routed_experts // self.n_group < 2:
-            raise bad(
+        per_group = self.n_routed_experts // self.n_group
+        if per_group < 2:
+            raise _bad(
                 "n_group",
                 self.n_group,
                 "groups are scored by their top-2 experts: each group needs >= 2 experts",
             )
         if not 1 <= self.topk_group <= self.n_group:
-            raise bad("topk_group", self.topk_group, f"must be in 1..n_group={self.n_group}")
-        per_group = self.n_routed_experts // self.n_group
+            raise _bad("topk_group", self.topk_group, f"must be in 1..n_group={self.n_group}")
         if self.num_experts_per_tok > self.topk_group * per_group:
-            raise bad(
+            raise _bad(
                 "num_experts_per_tok",
                 self.num_experts_per_tok,
                 f"must be <= topk_group * experts per group = {self.topk_group * per_group}",
@@ -197,66 +210,43 @@ class ModelConfig:
             isinstance(self.routed_scaling_factor, (int, float))
             and math.isfinite(self.routed_scaling_factor)
         ):
-            raise bad(
+            raise _bad(
                 "routed_scaling_factor", self.routed_scaling_factor, "must be a finite number"
             )
-        if not (self.rms_norm_eps > 0):
-            raise bad("rms_norm_eps", self.rms_norm_eps, "must be > 0")
+
+    def _check_layer_types(self) -> None:
         n = self.num_hidden_layers
-        if len(self.mlp_layer_types) != n or any(
-            t not in MLP_LAYER_TYPES for t in self.mlp_layer_types
+        for name, allowed in (
+            ("mlp_layer_types", MLP_LAYER_TYPES),
+            ("indexer_types", INDEXER_TYPES),
         ):
-            raise bad(
-                "mlp_layer_types",
-                list(self.mlp_layer_types),
-                f"must list {n} entries (one per layer), each one of {MLP_LAYER_TYPES}",
-            )
-        if len(self.indexer_types) != n or any(t not in INDEXER_TYPES for t in self.indexer_types):
-            raise bad(
-                "indexer_types",
-                list(self.indexer_types),
-                f"must list {n} entries (one per layer), each one of {INDEXER_TYPES}",
-            )
+            types = getattr(self, name)
+            if len(types) != n or any(t not in allowed for t in types):
+                raise _bad(
+                    name,
+                    list(types),
+                    f"must list {n} entries (one per layer), each one of {allowed}",
+                )
         if self.indexer_types[0] != "full":
-            raise bad(
+            raise _bad(
                 "indexer_types",
                 list(self.indexer_types),
                 "layer 0 must be 'full': a 'shared' layer reuses the previous full layer's "
                 "selection",
             )
-        r = self.rope
-        if r.type not in ROPE_TYPES:
-            raise bad("rope_parameters.rope_type", r.type, f"supported: {ROPE_TYPES}")
-        if not (r.theta > 0):
-            raise bad("rope_parameters.rope_theta", r.theta, "must be > 0")
-        if r.type == "linear" and not (r.factor and r.factor > 0):
-            raise bad("rope_parameters.factor", r.factor, "linear rope needs a factor > 0")
-        if r.type == "yarn" and r.factor is None and r.original_max_position_embeddings is None:
-            raise bad(
-                "rope_parameters.factor",
-                r.factor,
-                "yarn rope needs factor or original_max_position_embeddings",
-            )
+
+    def _check_quantization(self) -> None:
+        # another quant_method (e.g. Quark's or the FP8 release's) is readable for planning; the
+        # loader says what it can serve
         q = self.quantization_config
         if q is not None and not isinstance(q, dict):
-            raise bad("quantization_config", q, "must be a JSON object")
+            raise _bad("quantization_config", q, "must be a JSON object")
         if (
             q
             and q.get("quant_method") == SERVING_QUANT_METHOD
             and q.get("format", "mxfp4") != "mxfp4"
         ):
-            raise bad("quantization_config.format", q.get("format"), "only 'mxfp4' is served")
-        if q and q.get("quant_method") not in (None, SERVING_QUANT_METHOD):
-            # e.g. Quark's or the FP8 release's: readable for planning; the loader says what it can
-            # serve
-            pass
-        for tid in self.eos_token_id:
-            if not 0 <= tid < self.vocab_size:
-                raise bad(
-                    "eos_token_id",
-                    list(self.eos_token_id),
-                    f"ids must be in 0..vocab_size-1={self.vocab_size - 1}",
-                )
+            raise _bad("quantization_config.format", q.get("format"), "only 'mxfp4' is served")
 
     @classmethod
     def from_hf(cls, src: str | Path | dict) -> "ModelConfig":
@@ -333,6 +323,34 @@ class ModelConfig:
         if d["quantization_config"] is None:
             del d["quantization_config"]
         return d
+
+
+def _bad(name: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"config field {name}={value!r} is invalid: {allowed}")
+
+
+_POSITIVE = (
+    "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers "
+    "num_attention_heads n_routed_experts kv_lora_rank q_lora_rank qk_rope_head_dim "
+    "v_head_dim qk_nope_head_dim n_group topk_group num_experts_per_tok "
+    "max_position_embeddings index_topk index_head_dim index_n_heads"
+).split()
+_NON_NEGATIVE = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")
+
+
+def _check_rope(r: RopeConfig) -> None:
+    if r.type not in ROPE_TYPES:
+        raise _bad("rope_parameters.rope_type", r.type, f"supported: {ROPE_TYPES}")
+    if not (r.theta > 0):
+        raise _bad("rope_parameters.rope_theta", r.theta, "must be > 0")
+    if r.type == "linear" and not (r.factor and r.factor > 0):
+        raise _bad("rope_parameters.factor", r.factor, "linear rope needs a factor > 0")
+    if r.type == "yarn" and r.factor is None and r.original_max_position_embeddings is None:
+        raise _bad(
+            "rope_parameters.factor",
+            r.factor,
+            "yarn rope needs factor or original_max_position_embeddings",
+        )
 
 
 def _read_rope(d: dict) -> RopeConfig:
