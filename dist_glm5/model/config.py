@@ -251,22 +251,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, src: str | Path | dict) -> "ModelConfig":
         """Read a config.json (a directory, a file path, or an already-parsed dict)."""
-        if isinstance(src, dict):
-            d = dict(src)
-            where = "config dict"
-        else:
-            p = Path(src)
-            if p.is_dir():
-                p = p / "config.json"
-            if not p.is_file():
-                raise ValueError(
-                    f"no config.json at {p}: pass a checkpoint directory that holds one"
-                )
-            try:
-                d = json.loads(p.read_text())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p} is not valid JSON: {e}") from None
-            where = str(p)
+        d, where = _read_json(src)
         mt = d.get("model_type")
         if mt is not None and mt != MODEL_TYPE:
             raise ValueError(
@@ -290,20 +275,11 @@ class ModelConfig:
             else:
                 kw.pop(k, None)
         if d.get("indexer_types") is None:
-            pattern = d.get("index_topk_pattern")
-            n = int(d.get("num_hidden_layers", cls.num_hidden_layers))
-            if pattern is not None:
-                kw["indexer_types"] = (
-                    tuple({"F": "full", "S": "shared"}[c] for c in pattern)
-                    if isinstance(pattern, str)
-                    else tuple(pattern)
-                )
-            elif "index_topk_freq" in d or "index_skip_topk_offset" in d:
-                freq = max(int(d.get("index_topk_freq", 1)), 1)
-                offset = int(d.get("index_skip_topk_offset", 2))
-                kw["indexer_types"] = tuple(
-                    "full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(n)
-                )
+            legacy = _legacy_indexer_types(
+                d, int(d.get("num_hidden_layers", cls.num_hidden_layers))
+            )
+            if legacy is not None:
+                kw["indexer_types"] = legacy
         kw["rope"] = _read_rope(d)
         try:
             return cls(**kw)
@@ -351,6 +327,36 @@ def _check_rope(r: RopeConfig) -> None:
             r.factor,
             "yarn rope needs factor or original_max_position_embeddings",
         )
+
+
+def _read_json(src: str | Path | dict) -> tuple[dict, str]:
+    """The config as a dict, and where it came from (for messages)."""
+    if isinstance(src, dict):
+        return dict(src), "config dict"
+    p = Path(src)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ValueError(f"no config.json at {p}: pass a checkpoint directory that holds one")
+    try:
+        return json.loads(p.read_text()), str(p)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p} is not valid JSON: {e}") from None
+
+
+def _legacy_indexer_types(d: dict, n: int) -> tuple[str, ...] | None:
+    """indexer_types from the older fields (index_topk_pattern, or index_topk_freq with
+    index_skip_topk_offset); None when the config has neither."""
+    pattern = d.get("index_topk_pattern")
+    if pattern is not None:
+        if isinstance(pattern, str):
+            return tuple({"F": "full", "S": "shared"}[c] for c in pattern)
+        return tuple(pattern)
+    if "index_topk_freq" in d or "index_skip_topk_offset" in d:
+        freq = max(int(d.get("index_topk_freq", 1)), 1)
+        offset = int(d.get("index_skip_topk_offset", 2))
+        return tuple("full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(n))
+    return None
 
 
 def _read_rope(d: dict) -> RopeConfig:
