@@ -12,7 +12,7 @@ Per thread count, batch 1, a 128-token prompt then `--new-tokens` greedy tokens:
   (dequantise-then-GEMM: today's path before the kernel), transformers BF16 (`generate`);
 - decode tok/s = (new_tokens - 1) / (time of the whole generation - time of the prefill alone),
   best of `--repeats`;
-- the decode step against its roofline bound: the bytes the step must read (bench/roofline.py's
+- the decode step against its roofline bound: the bytes the step must read (planning/roofline.py's
   decode_bytes: weights, the experts 8 routes touch, indexer keys, selected MLA rows) over the
   read bandwidth measured in the same run at the same thread count.
 Goals (issue 11): MXFP4 >= 2x BF16 and >= 4x transformers BF16 at 1 and 2 threads; the step within
@@ -129,7 +129,7 @@ def measure_hf(hf, prompt: list[int], new_tokens: int, repeats: int) -> dict:
 
 def bound_ms(cfg, context: int, bandwidth: float, experts_mxfp4: bool) -> tuple[float, float]:
     """(bytes, ms) a batch-1 decode step must read at `bandwidth` (computed)."""
-    from dist_glm5.bench.roofline import HBM, decode_bytes
+    from dist_glm5.planning.roofline import HBM, decode_bytes
 
     (r,) = decode_bytes(
         cfg,

@@ -215,7 +215,7 @@ def measure(
 
 
 def register(p: argparse.ArgumentParser) -> None:
-    from dist_glm5.launch.serve import parse_ctx
+    from dist_glm5.stages.engine_config import parse_ctx
 
     p.add_argument(
         "--contexts",

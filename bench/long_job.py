@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from dist_glm5.launch.serve import parse_ctx
+from dist_glm5.stages.engine_config import parse_ctx
 
 log = logging.getLogger(__name__)
 LAUNCH = "import sys; from dist_glm5.launch.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -91,14 +91,15 @@ def run_batch(argv: list[str], level: str) -> tuple[dict, float]:
 def planned_mib(args: argparse.Namespace, argv: list[str]) -> dict[str, float]:
     """What `launch batch` planned for this job (the same function, the same flags)."""
     from dist_glm5.checkpoint.default_model import ensure_default_model
-    from dist_glm5.launch import batch
+    from dist_glm5.launch.batch import cache_blocks_for, memory_plan
+    from dist_glm5.launch.batch import register as batch_flags
     from dist_glm5.model.config import ModelConfig
 
     p = argparse.ArgumentParser()
-    batch.register(p)
+    batch_flags(p)
     b = p.parse_args(argv[2:])
     cfg = ModelConfig.from_hf(ensure_default_model())
-    plan = batch.memory_plan(b, cfg, b.ctx, batch.cache_blocks_for(b, b.ctx))
+    plan = memory_plan(b, cfg, b.ctx, cache_blocks_for(b, b.ctx))
     return {str(s): m.total / MIB for s, _, m in plan.stages}
 
 

@@ -136,9 +136,9 @@ def run_threads(args) -> int:
 
 def roofline_fraction(d, args, decode: dict, bandwidth_gbs: float) -> dict:
     """Measured decode step time against the bandwidth bound for the same model and workload
-    (bench/roofline.py)."""
-    from dist_glm5.bench.roofline import HBM, decode_bytes
+    (planning/roofline.py, computed)."""
     from dist_glm5.model.config import ModelConfig
+    from dist_glm5.planning.roofline import HBM, decode_bytes
 
     cfg = ModelConfig.from_hf(d)
     dtype = args.dtype or cfg.torch_dtype

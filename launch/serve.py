@@ -12,28 +12,17 @@ import argparse
 import json
 import logging
 import os
-import re
 import signal
 import time
 from pathlib import Path
+
+from dist_glm5.stages.engine_config import parse_ctx
 
 from .api.limits import add_limit_args
 from .engine_args import add_layout_args
 
 log = logging.getLogger(__name__)
 HW = {"hpu": dict(name="gaudi2", memory_per_card=96 * 10**9, cards_per_node=8, backend="hpu")}
-
-
-def parse_ctx(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(
-            f"context {text!r}: give tokens (131072) or thousands (128k, 637k)"
-        )
-    n = int(m.group(1)) * (1024 if m.group(2) else 1)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"context {text!r} must be positive")
-    return n
 
 
 def register(p: argparse.ArgumentParser, nodes: int, default_ctx: str) -> None:

@@ -6,12 +6,28 @@ No torch here: the coordinator and the launch commands import it without the mod
 
 from __future__ import annotations
 
+import argparse
+import re
 from dataclasses import dataclass, field, replace
 
 from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.stages.scheduler import SchedulerConfig
 
 BACKENDS = ("cpu", "hpu")  # the names dist_glm5.backends.get_backend knows
+
+
+def parse_ctx(text: str) -> int:
+    """A context length as the command lines take it (--ctx): tokens (131072) or thousands (128k,
+    637k)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"context {text!r}: give tokens (131072) or thousands (128k, 637k)"
+        )
+    n = int(m.group(1)) * (1024 if m.group(2) else 1)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"context {text!r} must be positive")
+    return n
 
 
 @dataclass(frozen=True, order=True)

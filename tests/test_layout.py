@@ -27,7 +27,7 @@ FORBIDDEN = {
     "dist_glm5.kernels": TOP_FLOORS,
     "dist_glm5.stages": ("dist_glm5.convert", "dist_glm5.bench", "dist_glm5.launch"),
     "dist_glm5.convert": ("dist_glm5.stages", "dist_glm5.bench", "dist_glm5.launch"),
-    # dist_glm5.bench sits beside launch on the top floor: it measures the server too
+    # launch and bench share the top floor; who of them may import whom: TOP_RULES below
 }
 
 
@@ -268,4 +268,75 @@ def test_the_rules_and_the_circle_check_catch_violations(tmp_path):
         ("dist_glm5.kernels", "dist_glm5.ops"),
         ("dist_glm5.kernels", "dist_glm5.backends"),
         ("dist_glm5.sampling", "dist_glm5.checkpoint"),
+    }
+
+
+# ---- the top floor: launch (what a user runs) and bench (what measures it) --------------------
+# launch never imports bench: what both use (the roofline's bytes per step, the --ctx parser) sits
+# below them. bench imports launch only where it must build or plan exactly what launch does;
+# each such file is named with its reason (starting the server as a user does is a subprocess,
+# `dist-glm5 launch ...`, and imports nothing).
+TOP_RULES = [
+    ("dist_glm5.launch", "dist_glm5.bench", "a command never depends on its benchmarks"),
+    ("dist_glm5.bench", "dist_glm5.launch", "a benchmark runs launch as a user does (subprocess)"),
+]
+TOP_ALLOWED = [
+    # (importer, what it may import of the other, why)
+    ("dist_glm5.launch.cli", "dist_glm5.bench", "the command line's root registers `bench`"),
+    # the host-only server: the server as `launch single-node` builds it, its worker swapped for
+    # one without a model, which no flag of launch offers
+    ("dist_glm5.bench.serve", "dist_glm5.launch.api", "the host-only server, built as launch's"),
+    ("dist_glm5.bench.serve", "dist_glm5.launch.engine_loop", "the host-only server's loop"),
+    # the RSS-vs-plan ratio holds the job against the plan `launch batch` itself made
+    ("dist_glm5.bench.long_job", "dist_glm5.launch.batch", "launch batch's own memory plan"),
+]
+
+
+def _top_violations(imports: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{name} imports {mod}: {why}"
+        for name, mods in imports.items()
+        for src, dst, why in TOP_RULES
+        if _inside(name, src)
+        for mod in mods
+        if _inside(mod, dst)
+        and not any(_inside(name, a) and _inside(mod, b) for a, b, _ in TOP_ALLOWED)
+    )
+
+
+def test_launch_and_bench_do_not_import_each_other():
+    bad = _top_violations(_package_imports())
+    assert not bad, "imports between launch and bench:\n" + "\n".join(bad)
+
+
+def test_the_top_floor_check_catches_violations(tmp_path):
+    # negative control: launch using a benchmark's module (lazily), bench using launch's parser
+    # (absolutely and relatively); the named exceptions are not reported
+    files = {
+        "dist_glm5/__init__.py": "",
+        "launch/__init__.py": "",
+        "launch/cli.py": "def f():\n    from dist_glm5 import bench, launch\n",
+        "launch/profile.py": "def f():\n    from dist_glm5.bench.roofline import HBM\n",
+        "bench/__init__.py": "",
+        "bench/engine_host.py": "from dist_glm5.launch.serve import parse_ctx\n",
+        "bench/long_job.py": "from ..launch import serve\nfrom dist_glm5.launch import batch\n",
+        "bench/serve.py": "def f():\n    from dist_glm5.launch.api.app import build_app\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    for folder in FOLDERS:
+        (tmp_path / folder).mkdir(exist_ok=True)
+    bad = {line.split(":")[0] for line in _top_violations(_package_imports(tmp_path))}
+    assert bad == {
+        "dist_glm5.launch.profile imports dist_glm5.bench.roofline",
+        "dist_glm5.launch.profile imports dist_glm5.bench.roofline.HBM",
+        "dist_glm5.bench.engine_host imports dist_glm5.launch.serve",
+        "dist_glm5.bench.engine_host imports dist_glm5.launch.serve.parse_ctx",
+        "dist_glm5.bench.long_job imports dist_glm5.launch",  # the package: not launch.batch
+        "dist_glm5.bench.long_job imports dist_glm5.launch.serve",
+    }, bad
+    assert {(a, b) for a, b, _ in TOP_RULES} == {
+        ("dist_glm5.launch", "dist_glm5.bench"),
+        ("dist_glm5.bench", "dist_glm5.launch"),
     }
