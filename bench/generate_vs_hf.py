@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from dist_glm5.backends import get_backend
+from dist_glm5.train.hf import hf_copy
 
 log = logging.getLogger(__name__)
 
@@ -30,25 +31,6 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=2, help="best of N")
     p.add_argument("--output", help="write the results as JSON here")
     p.set_defaults(func=run)
-
-
-def hf_copy(model_dir: Path, dst: Path) -> Path:
-    """A transformers-loadable copy: no MTP layer (transformers does not run it)."""
-    from dist_glm5.checkpoint.safetensors_io import Checkpoint, save_streaming
-    from dist_glm5.model.config import ModelConfig
-
-    cfg = ModelConfig.from_hf(model_dir)
-    d = cfg.to_hf()
-    d["num_nextn_predict_layers"] = 0
-    (dst / "config.json").write_text(json.dumps(d))
-    ck = Checkpoint(model_dir)
-    mtp = f"model.layers.{cfg.num_hidden_layers}."
-    save_streaming(
-        dst / "model.safetensors",
-        {n: ck.get(n) for n in ck.names() if not n.startswith(mtp)},
-        metadata={"format": "pt"},
-    )
-    return dst
 
 
 def best(fn, repeats: int) -> float:

@@ -60,7 +60,7 @@ def register(p: argparse.ArgumentParser) -> None:
 
 # ---- held-out bits per byte ----------------------------------------------------------------
 def heldout_texts() -> list[bytes]:
-    from dist_glm5.checkpoint.default_model.corpus import frozen_heldout
+    from dist_glm5.train.corpus import frozen_heldout
 
     return [t["text"].encode() for t in frozen_heldout()]
 
@@ -83,7 +83,7 @@ def model_bits_per_byte(model, texts: list[bytes]) -> float:
 
 def byte_model_bits(texts: list[bytes], order: int) -> float:
     """An order-0 or order-1 byte model (add-1/2 smoothing) fitted on the training split."""
-    from dist_glm5.checkpoint.default_model.corpus import load_split
+    from dist_glm5.train.corpus import load_split
 
     train = b"\n".join(b for _, b in load_split("train"))
     if order == 0:
@@ -198,7 +198,7 @@ def mtp_figures(model_dir, texts, n_tokens: int) -> dict:
 # ---- needles ---------------------------------------------------------------------------------
 def needle_prompts(length: int, filler_kind: str, seed: int):
     """(prompts, answers): one body with 3 needles, asked 3 times (one needle per prompt)."""
-    from dist_glm5.checkpoint.default_model import corpus
+    from dist_glm5.train import corpus
 
     rng = random.Random(seed)
     needles = corpus.make_needles(rng, 3)

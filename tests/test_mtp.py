@@ -16,9 +16,9 @@ import json
 import pytest
 import torch
 
-from dist_glm5.bench.generate_vs_hf import hf_copy
 from dist_glm5.checkpoint.safetensors_io import Checkpoint
 from dist_glm5.model.kv_cache import Chunk
+from dist_glm5.train.hf import hf_copy
 
 
 def _rms(x, w, eps):

@@ -1,12 +1,13 @@
-"""The trainer of the default model (bench/train_default.py) on a tiny config: sparse joint steps
-keep the keys the supervision names (neighbours, induction key) in their rows' selection, the
-indexers' supervision trains only the indexers, and the indexers-only phase trains nothing else."""
+"""The trainer of the default model (dist_glm5/train/trainer.py) on a tiny config: sparse joint
+steps keep the keys the supervision names (neighbours, induction key) in their rows' selection,
+the indexers' supervision trains only the indexers, and the indexers-only phase trains nothing
+else."""
 
 from __future__ import annotations
 
 import torch
 
-from dist_glm5.bench import train_default as td
+from dist_glm5.train import trainer as td
 
 TINY = dict(
     td.TRAIN_CONFIG,

@@ -12,10 +12,10 @@ from runtime_util import require_trained_weights
 
 from dist_glm5.backends import get_backend
 from dist_glm5.checkpoint.default_model import TRAINED_DIR, ensure_default_model
-from dist_glm5.checkpoint.default_model.corpus import frozen_heldout
+from dist_glm5.train.corpus import frozen_heldout
 
-# Recorded by `dist-glm5 bench train-default --export` (bench/train_default.py: heldout_loss, run
-# by transformers in fp32 on the exported bf16 weights) when the shipped weights were written;
+# Recorded by `dist-glm5 bench train-default --export` (dist_glm5/train/trainer.py: heldout_loss,
+# run by transformers in fp32 on the exported bf16 weights) when the shipped weights were written;
 # also in trained/train_report.json. Slice: heldout.json texts 0 and 1, first 1024 bytes each.
 RECORDED_HELDOUT_LOSS = 1.572750449180603  # nats per byte
 
@@ -45,8 +45,8 @@ def test_same_logits_as_transformers(ours, tmp_path):
     from conftest import require
 
     transformers = require("transformers")
-    from dist_glm5.bench.generate_vs_hf import hf_copy
     from dist_glm5.model.reference_loop import full_logits
+    from dist_glm5.train.hf import hf_copy
 
     ref = transformers.GlmMoeDsaForCausalLM.from_pretrained(
         hf_copy(TRAINED_DIR, tmp_path), dtype=torch.float32

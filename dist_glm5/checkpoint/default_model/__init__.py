@@ -1,9 +1,9 @@
 """The embedded default models, both needing no download.
 
 - The trained default model (`ensure_default_model`, what `launch generate` runs with no
-  `--model`): a small GLM-5-architecture byte-level model trained by `bench/train_default.py` on
-  the Python standard library and synthetic needle documents (corpus.py), shipped in `trained/`
-  as an ordinary HF checkpoint (bf16 weights, the routers in fp32).
+  `--model`): a small GLM-5-architecture byte-level model trained by dist_glm5/train/trainer.py
+  on the Python standard library and synthetic needle documents (dist_glm5/train/corpus.py),
+  shipped in `trained/` as an ordinary HF checkpoint (bf16 weights, the routers in fp32).
 - The deterministic random model (`ensure_random_model`, for tests that need no trained weights):
   `config.json` here, weights made from a seed on first use and cached on disk (per-expert names,
   config.json, a byte-level tokenizer).

@@ -26,7 +26,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-HELDOUT_PATH = Path(__file__).with_name("heldout.json")
+# the held-out slice ships with the model it measures (package data of default_model)
+HELDOUT_PATH = Path(__file__).resolve().parents[1] / "checkpoint/default_model/heldout.json"
 PSF_NOTICE = (
     "Copyright (c) 2001 Python Software Foundation; All Rights Reserved. Text from the Python "
     "standard library, used under the PSF License Version 2."
