@@ -30,8 +30,9 @@ from pathlib import Path
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from dist_glm5.stages.engine_config import parse_ctx
+
 from .engine_args import add_layout_args, build_engine, dsa_config, engine_config, model_dir
-from .serve import parse_ctx
 
 log = logging.getLogger(__name__)
 FIELDS = {
