@@ -34,7 +34,7 @@ from dist_glm5.backends import get_backend
 from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.checkpoint.shards import ShardedCheckpoint, is_sharded
 from dist_glm5.model.config import ModelConfig
-from dist_glm5.model.kv_cache import Chunk, PagedKVCache
+from dist_glm5.model.kv_cache import Chunk
 from dist_glm5.obs import profiler
 from dist_glm5.obs.peak_rss import peak_rss_mb
 from dist_glm5.obs.profiler import PROF
@@ -127,27 +127,16 @@ class StageWorker:
         PROF.enabled = eng.profile
         if eng.profile:  # hooks from outside the model, after tensor parallelism set its reduces
             profiler.install(self.model)
-        self.rt = None  # the backend's stage runtime; None on the CPU
-        if backend.stage is not None:
-            self.rt = backend.stage(
-                self.model,
-                blocks=eng.cache.blocks,
-                block_size=eng.cache.block_size,
-                max_model_len=eng.scheduler.max_model_len,
-                gather_cap_bytes=eng.dsa.gather_cap_bytes,
-                step_tokens=eng.scheduler.step_tokens,
-                name=f"s{spec.stage}-r{spec.rank}",
-            )
-            self.cache = self.rt.new_cache(cfg, self.model.cache_layers, self.model.dtype)
-        else:
-            self.cache = PagedKVCache(
-                cfg,
-                self.model.cache_layers,
-                eng.cache.blocks,
-                eng.cache.block_size,
-                dtype=self.model.dtype,
-                allocate=False,  # tables come with the plans
-            )
+        self.rt = backend.stage(  # the backend's stage runtime (backends/stage.py)
+            self.model,
+            blocks=eng.cache.blocks,
+            block_size=eng.cache.block_size,
+            max_model_len=eng.scheduler.max_model_len,
+            gather_cap_bytes=eng.dsa.gather_cap_bytes,
+            step_tokens=eng.scheduler.step_tokens,
+            name=f"s{spec.stage}-r{spec.rank}",
+        )
+        self.cache = self.rt.new_cache(cfg, self.model.cache_layers, self.model.dtype)
         self.seqs: dict[int, SeqState] = {}
         self.eos = tuple(cfg.eos_token_id)
         self._tokenizer = None  # loaded with the first grammar
@@ -159,8 +148,7 @@ class StageWorker:
             layers.stop - 1,
             time.perf_counter() - t0,
         )
-        if self.rt is not None:
-            self.rt.warmup(self.cache)
+        self.rt.warmup(self.cache)
 
     # ---- one step ------------------------------------------------------------------------
     @torch.no_grad()
@@ -189,21 +177,17 @@ class StageWorker:
                 else None
             )
         chunks = [Chunk(w.seq_id, w.start, len(w.tokens)) for w in plan.work]
-        if self.rt is None:
-            batch = self.cache.prepare(chunks)
-        else:  # padded to a bucket (the pad rows are never sampled), on the device
-            batch = self.rt.prepare(self.cache, chunks)
+        batch = self.rt.prepare(self.cache, chunks)  # maybe padded: pad rows are never sampled
         T = batch.num_tokens
         if self.first:
             x = torch.tensor([t for w in plan.work for t in w.tokens], dtype=torch.int64)
-            if self.rt is not None:
-                x = self.rt.inputs(x, T)
+            x = self.rt.inputs(x, T)
         else:
             tw = time.perf_counter()
             with PROF.span("recv_wait"):
                 x = self.comm.recv_hidden((T, self.cfg.hidden_size), self.model.dtype, plan.step)
             t0 += time.perf_counter() - tw  # waiting for the previous stage is not busy time
-        h, _ = (self.rt.forward if self.rt is not None else self.model)(x, batch, self.cache)
+        h, _ = self.rt.forward(x, batch, self.cache)
         if not self.last:
             with PROF.span("transfer"):
                 self.comm.send_hidden(h, plan.step)
@@ -253,14 +237,10 @@ class StageWorker:
                 mtp_seqs.append((out, st, w.sample))
         if mtp_chunks:
             nxt, rows = torch.tensor(mtp_next), torch.cat(mtp_rows)
-            if self.rt is None:
-                mb = self.cache.prepare(mtp_chunks)
-                hm = m.mtp_forward(nxt, hn[rows], mb, self.cache)
-            else:  # padded to a bucket like the layers' step, on the device
-                mb = self.rt.prepare(self.cache, mtp_chunks)
-                T, h_rows = mb.num_tokens, hn[rows.to(hn.device)]
-                x = self.rt.inputs(nxt, T), self.rt.inputs(h_rows, T)
-                hm = self.rt.forward_mtp(*x, mb, self.cache)
+            mb = self.rt.prepare(self.cache, mtp_chunks)  # maybe padded, like the layers' step
+            T, h_rows = mb.num_tokens, hn[rows.to(hn.device)]
+            x = self.rt.inputs(nxt, T), self.rt.inputs(h_rows, T)
+            hm = self.rt.forward_mtp(*x, mb, self.cache)
             for (out, st, sampled), (_, e) in zip(mtp_seqs, mb.spans):
                 if sampled:
                     out.draft, st.draft_q = self.propose(
