@@ -11,14 +11,7 @@ import torch
 
 from dist_glm5.backends import get_backend
 from dist_glm5.backends.hpu import _hf, env, runtime, warmup
-from dist_glm5.backends.hpu.buckets import (
-    BucketConfig,
-    Exp,
-    Linear,
-    find_bucket,
-    pad_decode,
-    pad_prefill,
-)
+from dist_glm5.backends.hpu.buckets import BucketConfig, Exp, Linear, find_bucket
 
 fake_hf = hpu_fake.fake_hf
 
@@ -64,12 +57,11 @@ def test_runtime_mode_plumbing(fake_hf, monkeypatch, lazy):
     monkeypatch.setenv("PT_HPU_LAZY_MODE", lazy)
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     runtime.mark_step()
-    assert runtime.wrap_graph(m) is m
     hooks = runtime.add_layer_mark_steps(list(m))
     m(torch.zeros(1, 4))
     names = [r[0] for r in fake_hf.RECORD]
     if lazy == "1":
-        assert names == ["core.mark_step", "hpu.wrap_in_hpu_graph"] + ["core.mark_step"] * 2
+        assert names == ["core.mark_step"] * 3
         assert len(hooks) == 2
     else:  # compiled mode: no graphs, no mark_step
         assert names == [] and hooks == []
@@ -87,8 +79,7 @@ def test_bucket_tables_up_to_637k():
     assert cfg.table("decode_ctx")[-1] == blocks == 5096
     assert cfg.table("prompt_query") == (128, 256, 512, 1024, 2048, 3072, 4096, 5120, 6144,
                                          7168, 8192)  # fmt: skip
-    assert BucketConfig() == cfg and cfg.decode_buckets() == BucketConfig().decode_buckets()
-    assert len(cfg.prompt_buckets()) == 275 and len(cfg.decode_buckets()) == 175
+    assert BucketConfig() == cfg
     for dim in (Linear(1, 32, 64), Exp(1, blocks, 2), Linear(3, 10, 95)):
         t = dim.values()
         for n in (1, 2, 5, 31, 33, 64, 95, 1000, blocks):
@@ -103,20 +94,6 @@ def test_bucket_tables_up_to_637k():
     assert env_cfg.table("decode_bs") == (2, 4, 8, 16, 24)
     with pytest.raises(ValueError, match="set all of"):
         BucketConfig.from_env({"DIST_GLM5_DECODE_BS_BUCKET_MIN": "2"})
-
-
-def test_padding_never_fully_masks_a_row():
-    cfg = BucketConfig(block_size=16, max_model_len=4096)
-    p = pad_decode(cfg, [5, 300, 17])
-    assert p.bucket[0] == 4 and p.bucket[1] * 16 >= 300 and p.real == 3
-    assert p.rows == (0, 1, 2, 0) and min(p.lengths) >= 1 and p.lengths[3] == p.lengths[0]
-    # a pad row's keys: positions < its length are valid, so it keeps at least its own key
-    keys = torch.arange(p.bucket[1] * 16)[None] < torch.tensor(p.lengths)[:, None]
-    assert bool(keys.any(-1).all())
-    q = pad_prefill(cfg, 100, 1000)
-    assert q.bucket[1] >= 100 and q.bucket[2] * 16 >= 1000 and pad_prefill(cfg, 1, 0).bucket[2] == 0
-    with pytest.raises(ValueError, match="at least its own key"):
-        pad_decode(cfg, [0])
 
 
 def test_warmup_runs_each_bucket_once_under_compile_only(fake_hf, tmp_path, caplog):
@@ -137,17 +114,12 @@ def test_warmup_runs_each_bucket_once_under_compile_only(fake_hf, tmp_path, capl
     assert [t.bucket for t in times] == [(1, 8), (2, 8)]
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 2 and all("over 50% of timeout_locked=150" in w for w in warned)
-    warmup.check_timer(times, 10 * step)  # under half of a longer timer: accepted
     names = [r[0] for r in fake_hf.RECORD]
     one = ["bridge_config.env_setting.enter", "bridge_config.env_setting.exit",
            "core.mark_step", "hpu.synchronize"]  # fmt: skip
     assert names == one * 2
     assert fake_hf.RECORD[0][1] == ("PT_COMPILE_ONLY_MODE", True)
     assert "over 50% of timeout_locked=150" in caplog.text
-    with pytest.raises(RuntimeError, match="timeout_locked=150"):
-        warmup.check_timer(times, 150)
-    warmup.check_timer(times, 600)  # under half the timer: fine
-    warmup.check_timer(times, 0)  # timer disabled
 
 
 @pytest.mark.parametrize("command", ["single-node", "two-node"])

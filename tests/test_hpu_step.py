@@ -100,15 +100,12 @@ def test_prefill_and_decode_through_the_hpu_backend(fake_hf, mx_dir, mode):
     model.rope = norm_rope.DeviceRopeTable.from_host(model.rope, BUCKETS.max_model_len, "cpu")
     layers = [model.model.layers[str(i)] for i in model.layer_range]
     runtime.add_layer_mark_steps(layers)
-    assert runtime.wrap_graph(model) is model
     got, guards = run_steps(model, None if mode == "dense" else CAP)
 
     for a, b in zip(got, want):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
     names = [r[0] for r in fake_hf.RECORD]
-    # HPU graph wrap once, lazy mode, tensor cache off; one mark_step per decoder layer per step
-    ((args, kw),) = fake_hf.calls("hpu.wrap_in_hpu_graph")
-    assert kw["disable_tensor_cache"] is True
+    # lazy mode: one mark_step per decoder layer per step
     assert names.count("core.mark_step") == 3 * len(layers)
     # every native-op call is sized by the bucket table (prefill chunk, decode batch)
     moe = [a[0].shape[0] for a, _ in fake_hf.calls("moe.mxfp4_fused_weights")]

@@ -29,7 +29,7 @@ def core() -> ModuleType:
 
 
 def hpu() -> ModuleType:
-    """habana_frameworks.torch.hpu: wrap_in_hpu_graph, synchronize."""
+    """habana_frameworks.torch.hpu: synchronize."""
     return _import("habana_frameworks.torch.hpu")
 
 

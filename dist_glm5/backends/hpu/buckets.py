@@ -111,67 +111,7 @@ class BucketConfig:
         dim = getattr(self, name)
         return (dim or self._ctx_default).values()
 
-    def prompt_buckets(self) -> list[tuple[int, int, int]]:
-        """(batch, query, ctx_blocks) with the whole chunk inside max_model_len."""
-        blocks = -(-self.max_model_len // self.block_size)
-        return [
-            (b, q, c)
-            for b in self.table("prompt_bs")
-            for q in self.table("prompt_query")
-            for c in (0, *self.table("prompt_ctx"))
-            if c + -(-q // self.block_size) <= blocks
-        ]
-
-    def decode_buckets(self) -> list[tuple[int, int]]:
-        return [(b, c) for b in self.table("decode_bs") for c in self.table("decode_ctx")]
-
     def step_tokens(self) -> tuple[int, ...]:
         """Token counts a whole step is padded to (stage.HpuStage): decode batches and prefill
         chunks, one table (the token dimension every linear layer and the MoE op see)."""
         return tuple(sorted({*self.table("decode_bs"), *self.table("prompt_query")}))
-
-
-@dataclass(frozen=True)
-class DecodePad:
-    """One decode step padded to its bucket: `rows[i]` is the real row padded row i repeats,
-    `lengths[i]` its key count (a pad row repeats row 0: never 0 keys)."""
-
-    bucket: tuple[int, int]
-    rows: tuple[int, ...]
-    lengths: tuple[int, ...]
-    real: int
-
-
-def pad_decode(cfg: BucketConfig, lengths: list[int]) -> DecodePad:
-    """lengths: each sequence's context (keys, including the new token) -> its padded step."""
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"decode lengths {lengths}: every sequence has at least its own key")
-    bs = find_bucket(cfg.table("decode_bs"), len(lengths), "decode batch")
-    blocks = find_bucket(
-        cfg.table("decode_ctx"), -(-max(lengths) // cfg.block_size), "decode context (blocks)"
-    )
-    pad = bs - len(lengths)
-    return DecodePad(
-        (bs, blocks), tuple(range(len(lengths))) + (0,) * pad, tuple(lengths) + (lengths[0],) * pad,
-        len(lengths),
-    )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class PrefillPad:
-    """One prefill chunk padded to its bucket: query rows beyond `query` repeat row 0 (its
-    position and keys); context blocks beyond the real ones are masked keys."""
-
-    bucket: tuple[int, int, int]
-    query: int
-    ctx: int
-
-
-def pad_prefill(cfg: BucketConfig, query: int, ctx: int) -> PrefillPad:
-    """query: new tokens of the chunk; ctx: keys already cached before it."""
-    if query < 1 or ctx < 0:
-        raise ValueError(f"prefill chunk of {query} tokens after {ctx}: need query >= 1, ctx >= 0")
-    q = find_bucket(cfg.table("prompt_query"), query, "prefill chunk (tokens)")
-    blocks = -(-ctx // cfg.block_size)
-    c = 0 if blocks == 0 else find_bucket(cfg.table("prompt_ctx"), blocks, "prefill context")
-    return PrefillPad((1, q, c), query, ctx)

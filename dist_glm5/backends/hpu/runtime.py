@@ -1,4 +1,4 @@
-"""Execution-mode plumbing: lazy mode (HPU graphs, mark_step) or compiled regions.
+"""Execution-mode plumbing: lazy mode (mark_step) or compiled regions.
 
 Lazy (PT_HPU_LAZY_MODE=1): ops accumulate into a graph flushed by `mark_step`; one step per
 decoder layer bounds the graph (vllm-gaudi does the same with a forward hook). torch.compile is
@@ -30,14 +30,6 @@ def compile_region(fn: Callable) -> Callable:
     import torch
 
     return torch.compile(fn, backend="hpu_backend", dynamic=False, fullgraph=True)
-
-
-def wrap_graph(module: nn.Module) -> nn.Module:
-    """Lazy mode: capture the module as HPU graphs (one per input shape: shapes come from the
-    bucket table); the tensor cache is disabled as vllm-gaudi does."""
-    if not _hf.is_lazy():
-        return module
-    return _hf.hpu().wrap_in_hpu_graph(module, disable_tensor_cache=True)
 
 
 def add_layer_mark_steps(layers: list[nn.Module]) -> list:

@@ -37,23 +37,6 @@ class BucketTime:
     seconds: float
 
 
-def check_timer(times: Iterable[BucketTime], timeout_s: int | None, margin: float = 0.5) -> None:
-    """Refuse a plan whose per-bucket compile time (measured, or predicted from an earlier warm-up)
-    reaches `margin` of the lock-up timer."""
-    if not timeout_s:
-        return
-    bad = [t for t in times if t.seconds > margin * timeout_s]
-    if bad:
-        worst = max(bad, key=lambda t: t.seconds)
-        raise RuntimeError(
-            f"{len(bad)} bucket(s) compile in more than {margin:.0%} of the driver's lock-up timer "
-            f"(timeout_locked={timeout_s} s), worst {worst.bucket} at {worst.seconds:.0f} s: use "
-            "smaller buckets (DIST_GLM5_*_BUCKET_MAX), a warm recipe cache "
-            "(PT_HPU_RECIPE_CACHE_CONFIG), or raise the timer "
-            "(modprobe habanalabs timeout_locked=N)"
-        )
-
-
 def warmup(
     buckets: Iterable[Hashable],
     run_bucket: Callable[[Hashable], None],
