@@ -25,6 +25,7 @@ from dist_glm5.checkpoint.detokenizer import IncrementalDetokenizer
 from dist_glm5.sampling.params import SamplingParams, check_vocab
 
 from .engine_config import StageId
+from .messages import SeqOutput, StepResult
 from .pipeline import Pipeline, StageFailure
 from .scheduler import Scheduler, SchedulerConfig, Sequence
 
@@ -135,18 +136,38 @@ class Coordinator:
             self.restart(self.failure)
         done, self._done = self._done, []
         try:
-            while self.in_flight < self.sched_cfg.microbatches:
-                plan = self.scheduler.next_plan(next(self.step_ids))
-                if plan is None:
-                    break
-                self.in_flight += 1  # counted before send: a failed send is a started step
-                self.pipeline.send(plan)
+            self._fill()
             if self.in_flight == 0:
                 return done
             res = self.pipeline.recv(self.step_timeout)
         except StageFailure as e:
             return done + self._fail(e)
         self.in_flight -= 1
+        self._record(res)
+        outputs = {o.seq_id: o for o in res.outputs}
+        touched = [s for s, _ in self.scheduler.sent.get(res.step, ()) if not s.finished]
+        done += self.scheduler.on_result(res.step, res.outputs)
+        self._count(res.outputs)
+        for s in touched:
+            if outputs.get(s.seq_id) is not None and outputs[s.seq_id].tokens:
+                if self._text(s) and s not in done:
+                    done.append(s)
+        for s in done:
+            s.detok = None  # released with the request
+        return done
+
+    def _fill(self) -> None:
+        """Send plans until `microbatches` steps are in flight or the scheduler has none ready.
+        A StageFailure from send() propagates with the failed step already counted."""
+        while self.in_flight < self.sched_cfg.microbatches:
+            plan = self.scheduler.next_plan(next(self.step_ids))
+            if plan is None:
+                break
+            self.in_flight += 1  # counted before send: a failed send is a started step
+            self.pipeline.send(plan)
+
+    def _record(self, res: StepResult) -> None:
+        """One result's step, peak RSS, busy times and profiler spans, then the other stages'."""
         self.stats.steps += 1
         self.stats.peak_rss_mb = max(self.stats.peak_rss_mb, res.peak_rss_mb)
         if res.events and res.stage_times:
@@ -162,21 +183,14 @@ class Coordinator:
             self._peak(t.stage, t.peak_rss_mb)
             if t.events:
                 self._keep_events(t.step, t.stage, t.rank, t.events)
-        outputs = {o.seq_id: o for o in res.outputs}
-        touched = [s for s, _ in self.scheduler.sent.get(res.step, ()) if not s.finished]
-        done += self.scheduler.on_result(res.step, res.outputs)
-        for o in res.outputs:
+
+    def _count(self, outputs: list[SeqOutput]) -> None:
+        """Tokens produced, and MTP drafts proposed and accepted."""
+        for o in outputs:
             self.stats.tokens += len(o.tokens)
             if o.accepted is not None:
                 self.stats.drafts_proposed += 1
                 self.stats.drafts_accepted += o.accepted
-        for s in touched:
-            if outputs.get(s.seq_id) is not None and outputs[s.seq_id].tokens:
-                if self._text(s) and s not in done:
-                    done.append(s)
-        for s in done:
-            s.detok = None  # released with the request
-        return done
 
     def _text(self, s: Sequence) -> bool:
         """Detokenise s's new tokens and match its stop strings; True if one ended it now."""
