@@ -154,26 +154,14 @@ def _top_level_alternatives(pattern: str) -> list[str]:
     """The pattern split at its top-level `|` (escapes, classes and groups respected); a
     ValueError if a group or class is left open or closed twice: such a pattern could otherwise
     reach outside the group it is embedded in."""
-    alts, start, depth, i, in_class = [], 0, 0, 0, False
+    alts, start, depth, i = [], 0, 0, 0
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
-            if i + 1 == len(pattern):
-                raise ValueError("pattern ends with a lone backslash")
-            i += 2
+            i = _after_escape(pattern, i)
             continue
-        if in_class:
-            if c == "]":
-                in_class = False
-            elif c == "[" and pattern.startswith("[:", i):  # POSIX class inside a class
-                end = pattern.find(":]", i + 2)
-                i = end + 1 if end >= 0 else i
-        elif c == "[":
-            in_class = True
-            # a `]` (or `^]`) right after the opening bracket is a literal
-            j = i + 1 + (pattern[i + 1 : i + 2] == "^")
-            if pattern[j : j + 1] == "]":
-                i = j
+        if c == "[":
+            i = _class_end(pattern, i)
         elif c == "(":
             depth += 1
         elif c == ")":
@@ -184,9 +172,38 @@ def _top_level_alternatives(pattern: str) -> list[str]:
             alts.append(pattern[start:i])
             start = i + 1
         i += 1
-    if in_class or depth:
+    if depth:
         raise ValueError("pattern has an unclosed group or class")
     return alts + [pattern[start:]]
+
+
+def _after_escape(pattern: str, i: int) -> int:
+    """The index after the escape that starts at pattern[i] (a backslash)."""
+    if i + 1 == len(pattern):
+        raise ValueError("pattern ends with a lone backslash")
+    return i + 2
+
+
+def _class_end(pattern: str, i: int) -> int:
+    """The index of the `]` that closes the class opened at pattern[i]; a ValueError if none
+    does."""
+    # a `]` (or `^]`) right after the opening bracket is a literal
+    j = i + 1 + (pattern[i + 1 : i + 2] == "^")
+    if pattern[j : j + 1] == "]":
+        i = j
+    i += 1
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i = _after_escape(pattern, i)
+            continue
+        if c == "]":
+            return i
+        if c == "[" and pattern.startswith("[:", i):  # POSIX class inside a class
+            end = pattern.find(":]", i + 2)
+            i = end + 1 if end >= 0 else i
+        i += 1
+    raise ValueError("pattern has an unclosed group or class")
 
 
 def pattern_regex(pattern: str) -> str:
