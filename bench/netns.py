@@ -479,7 +479,6 @@ def tun_link_main(argv: list[str] | None = None) -> None:
     import heapq
     import random
     import select
-    import threading
 
     p = argparse.ArgumentParser()
     p.add_argument("--head-if", required=True)
@@ -489,21 +488,7 @@ def tun_link_main(argv: list[str] | None = None) -> None:
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     head = open_tun(a.head_if)
-    box: list = []
-
-    def open_node() -> None:
-        try:
-            enter(a.node_ns)
-            box.append(open_tun(a.node_if))
-        except BaseException as e:  # reported by the main thread
-            box.append(e)
-
-    th = threading.Thread(target=open_node)
-    th.start()
-    th.join()
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    node = box[0]
+    node = _open_tun_in(a.node_ns, a.node_if)
     other = {head: node, node: head}
     control = Path(a.control)
     fault, mtime, checked = LinkFault(), 0.0, 0.0
@@ -516,13 +501,7 @@ def tun_link_main(argv: list[str] | None = None) -> None:
         now = time.monotonic()
         if now - checked > 0.1:
             checked = now
-            try:
-                m = control.stat().st_mtime
-                if m != mtime:
-                    mtime, fault = m, LinkFault(**json.loads(control.read_text()))
-                    log.info("fault: %s", fault.describe())
-            except (OSError, ValueError) as e:
-                log.info("control file: %s", e)
+            mtime, fault = _reread_fault(control, mtime, fault)
         wait = min(0.1, max(0.0, queue[0][0] - now)) if queue else 0.1
         ready, _, _ = select.select([head, node], [], [], wait)
         now = time.monotonic()
@@ -535,12 +514,53 @@ def tun_link_main(argv: list[str] | None = None) -> None:
                 continue
             seq += 1
             heapq.heappush(queue, (now + fault.delay_ms / 1e3, seq, other[fd], pkt))
-        while queue and queue[0][0] <= now:
-            _, _, fd, pkt = heapq.heappop(queue)
-            try:
-                os.write(fd, pkt)
-            except OSError:  # that end is down: the packet is lost, as on a cut cable
-                pass
+        _deliver_due(queue, now)
+
+
+def _open_tun_in(ns: str, name: str) -> int:
+    """open_tun(name) in namespace `ns`, from a thread moved into it (the caller stays)."""
+    import threading
+
+    box: list = []
+
+    def open_node() -> None:
+        try:
+            enter(ns)
+            box.append(open_tun(name))
+        except BaseException as e:  # reported by the calling thread
+            box.append(e)
+
+    th = threading.Thread(target=open_node)
+    th.start()
+    th.join()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+def _reread_fault(control: Path, mtime: float, fault: LinkFault) -> tuple[float, LinkFault]:
+    """The control file's mtime and fault if it changed since `mtime`, else the ones given (an
+    unreadable file is logged and keeps them)."""
+    try:
+        m = control.stat().st_mtime
+        if m != mtime:
+            mtime, fault = m, LinkFault(**json.loads(control.read_text()))
+            log.info("fault: %s", fault.describe())
+    except (OSError, ValueError) as e:
+        log.info("control file: %s", e)
+    return mtime, fault
+
+
+def _deliver_due(queue: list, now: float) -> None:
+    """Write the queued packets due by `now` to their ends, in order."""
+    import heapq
+
+    while queue and queue[0][0] <= now:
+        _, _, fd, pkt = heapq.heappop(queue)
+        try:
+            os.write(fd, pkt)
+        except OSError:  # that end is down: the packet is lost, as on a cut cable
+            pass
 
 
 def open_tun(name: str) -> int:
