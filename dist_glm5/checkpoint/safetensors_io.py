@@ -17,9 +17,18 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
     "F8_E8M0": torch.float8_e8m0fnu,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
@@ -58,8 +67,10 @@ def _diagnose(path: Path, size: int) -> str | None:
             return f"truncated safetensors file ({size} bytes, no header): {_FIX}"
         (hlen,) = struct.unpack("<Q", raw)
         if hlen > _MAX_HEADER or 8 + hlen > size:
-            return (f"header length {hlen} exceeds the file size {size}: the file is truncated or "
-                    f"not safetensors; {_FIX}")
+            return (
+                f"header length {hlen} exceeds the file size {size}: the file is truncated or "
+                f"not safetensors; {_FIX}"
+            )
         try:
             header = json.loads(f.read(hlen))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -74,21 +85,29 @@ def _diagnose(path: Path, size: int) -> str | None:
                 return _unsupported(name, t["dtype"])
             shape = [int(s) for s in t["shape"]]
             if a != end:
-                return (f"tensor {name!r} starts at data offset {a}, not {end} where the previous "
-                        f"tensor ends: the file is corrupt; {_FIX}")
+                return (
+                    f"tensor {name!r} starts at data offset {a}, not {end} where the previous "
+                    f"tensor ends: the file is corrupt; {_FIX}"
+                )
             need = math.prod(shape) * DTYPES[t["dtype"]].itemsize
             if b - a != need:
-                return (f"tensor {name!r} declares {b - a} bytes but shape {shape} of {t['dtype']} "
-                        f"needs {need}: the file is corrupt; {_FIX}")
+                return (
+                    f"tensor {name!r} declares {b - a} bytes but shape {shape} of {t['dtype']} "
+                    f"needs {need}: the file is corrupt; {_FIX}"
+                )
             if base + b > size:
-                return (f"tensor {name!r} ends at byte {base + b} but the file has {size} bytes: "
-                        f"the file is truncated; {_FIX}")
+                return (
+                    f"tensor {name!r} ends at byte {base + b} but the file has {size} bytes: "
+                    f"the file is truncated; {_FIX}"
+                )
             end = b
     except (AttributeError, KeyError, TypeError, ValueError):
         return None
     if base + end != size:
-        return (f"{size - base - end} bytes follow the last tensor: the file is corrupt or was "
-                f"appended to; {_FIX}")
+        return (
+            f"{size - base - end} bytes follow the last tensor: the file is corrupt or was "
+            f"appended to; {_FIX}"
+        )
     return None
 
 
@@ -100,8 +119,10 @@ class SafeTensorsFile:
         size = self.path.stat().st_size
         try:
             self._st = safe_open(self.path, framework="pt")
-            kinds = [(n, sl.get_dtype(), tuple(sl.get_shape()))
-                     for n, sl in ((n, self._st.get_slice(n)) for n in self._st.offset_keys())]
+            kinds = [
+                (n, sl.get_dtype(), tuple(sl.get_shape()))
+                for n, sl in ((n, self._st.get_slice(n)) for n in self._st.offset_keys())
+            ]
         except SafetensorError as e:
             why = _diagnose(self.path, size) or f"not a valid safetensors file ({e}); {_FIX}"
             raise CheckpointError(f"{self.path}: {why}") from None
@@ -124,8 +145,9 @@ class SafeTensorsFile:
         try:
             return self._st.get_tensor(name)
         except SafetensorError as e:
-            raise CheckpointError(f"{self.path}: tensor {name!r} could not be read ({e}); {_FIX}"
-                                  ) from None
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} could not be read ({e}); {_FIX}"
+            ) from None
 
     def read(self, name: str, rows: range | None = None) -> torch.Tensor:
         """A private copy read with pread, not the mapping: streaming converters use this so that
@@ -144,8 +166,10 @@ class SafeTensorsFile:
         buf = bytearray(nbytes)
         got = os.preadv(self._fd.fileno(), [buf], start)
         if got != nbytes:
-            raise CheckpointError(f"{self.path}: short read of tensor {name!r} ({got} of {nbytes} "
-                                  f"bytes): the file shrank while open; {_FIX}")
+            raise CheckpointError(
+                f"{self.path}: short read of tensor {name!r} ({got} of {nbytes} "
+                f"bytes): the file shrank while open; {_FIX}"
+            )
         return torch.frombuffer(buf, dtype=torch.uint8).view(info.dtype).reshape(shape)
 
     def close(self) -> None:
@@ -172,8 +196,9 @@ class Checkpoint:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
             weight_map = None
         if not files and weight_map is None:
-            raise CheckpointError(f"{self.dir}: no *.safetensors files: is this a checkpoint "
-                                  f"directory?")
+            raise CheckpointError(
+                f"{self.dir}: no *.safetensors files: is this a checkpoint directory?"
+            )
         self.files: dict[str, SafeTensorsFile] = {}
         self.where: dict[str, SafeTensorsFile] = {}
         for fn in files:
@@ -184,18 +209,22 @@ class Checkpoint:
             self.files[fn] = f
             for name in f.tensors:
                 if name in self.where:
-                    raise CheckpointError(f"{self.dir}: tensor {name!r} appears in both "
-                                          f"{self.where[name].path.name} and {fn}")
+                    raise CheckpointError(
+                        f"{self.dir}: tensor {name!r} appears in both "
+                        f"{self.where[name].path.name} and {fn}"
+                    )
                 self.where[name] = f
         if weight_map is not None:
             for name, fn in weight_map.items():
                 if name not in self.where or self.where[name].path.name != fn:
-                    raise CheckpointError(f"{index}: maps {name!r} to {fn}, but that file does "
-                                          f"not hold it")
+                    raise CheckpointError(
+                        f"{index}: maps {name!r} to {fn}, but that file does not hold it"
+                    )
             stray = sorted(set(self.where) - set(weight_map))
             if stray:
-                raise CheckpointError(f"{index}: tensors in the files but not in the index: "
-                                      f"{stray[:10]}")
+                raise CheckpointError(
+                    f"{index}: tensors in the files but not in the index: {stray[:10]}"
+                )
 
     def names(self) -> list[str]:
         return sorted(self.where)
@@ -213,8 +242,9 @@ class Checkpoint:
         return name in self.where
 
 
-def _header_bytes(items: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                  metadata: dict[str, str] | None) -> bytes:
+def _header_bytes(
+    items: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None
+) -> bytes:
     header: dict = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -223,18 +253,23 @@ def _header_bytes(items: list[tuple[str, torch.dtype, tuple[int, ...]]],
         n = dtype.itemsize
         for s in shape:
             n *= s
-        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
-                        "data_offsets": [off, off + n]}
+        header[name] = {
+            "dtype": DTYPE_NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [off, off + n],
+        }
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # align data to 8 bytes like the reference writer
     return struct.pack("<Q", len(raw)) + raw
 
 
-def save_streaming(path: str | Path,
-                   tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
-                   metadata: dict[str, str] | None = None,
-                   plan: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None) -> Path:
+def save_streaming(
+    path: str | Path,
+    tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
+    metadata: dict[str, str] | None = None,
+    plan: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None,
+) -> Path:
     """Write a safetensors file atomically (temp name, fsync, rename).
 
     With `plan` (name, dtype, shape of each tensor, in order), `tensors` may be a generator that
@@ -258,16 +293,19 @@ def save_streaming(path: str | Path,
                 want = dtype.itemsize * math.prod(shape)
                 wrote = 0
                 # a tensor, or its parts in order
-                for part in ([t] if isinstance(t, torch.Tensor) else t):
+                for part in [t] if isinstance(t, torch.Tensor) else t:
                     if part.dtype != dtype:
-                        raise ValueError(f"save_streaming: {name} part has dtype {part.dtype}, "
-                                         f"expected {dtype}")
+                        raise ValueError(
+                            f"save_streaming: {name} part has dtype {part.dtype}, expected {dtype}"
+                        )
                     if part.numel():
                         f.write(memoryview(part.contiguous().reshape(-1).view(torch.uint8).numpy()))
                     wrote += part.numel() * part.element_size()
                 if wrote != want or (isinstance(t, torch.Tensor) and tuple(t.shape) != shape):
-                    raise ValueError(f"save_streaming: {name} got {wrote} bytes, expected {want} "
-                                     f"for shape {list(shape)}")
+                    raise ValueError(
+                        f"save_streaming: {name} got {wrote} bytes, expected {want} "
+                        f"for shape {list(shape)}"
+                    )
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
