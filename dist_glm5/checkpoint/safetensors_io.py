@@ -187,10 +187,7 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
         index = self.dir / "model.safetensors.index.json"
         if index.exists():
-            try:
-                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+            weight_map: dict[str, str] | None = _read_index(index)
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
@@ -202,29 +199,39 @@ class Checkpoint:
         self.files: dict[str, SafeTensorsFile] = {}
         self.where: dict[str, SafeTensorsFile] = {}
         for fn in files:
-            p = self.dir / fn
-            if not p.exists():
-                raise CheckpointError(f"{index}: lists {fn}, which is missing from {self.dir}")
-            f = SafeTensorsFile(p)
-            self.files[fn] = f
-            for name in f.tensors:
-                if name in self.where:
-                    raise CheckpointError(
-                        f"{self.dir}: tensor {name!r} appears in both "
-                        f"{self.where[name].path.name} and {fn}"
-                    )
-                self.where[name] = f
+            self._open(fn, index)
         if weight_map is not None:
-            for name, fn in weight_map.items():
-                if name not in self.where or self.where[name].path.name != fn:
-                    raise CheckpointError(
-                        f"{index}: maps {name!r} to {fn}, but that file does not hold it"
-                    )
-            stray = sorted(set(self.where) - set(weight_map))
-            if stray:
+            self._check_index(index, weight_map)
+
+    def _open(self, fn: str, index: Path) -> None:
+        """Open file `fn` of the checkpoint and say where its tensors are; a tensor in two files
+        is refused."""
+        p = self.dir / fn
+        if not p.exists():
+            raise CheckpointError(f"{index}: lists {fn}, which is missing from {self.dir}")
+        f = SafeTensorsFile(p)
+        self.files[fn] = f
+        for name in f.tensors:
+            if name in self.where:
                 raise CheckpointError(
-                    f"{index}: tensors in the files but not in the index: {stray[:10]}"
+                    f"{self.dir}: tensor {name!r} appears in both "
+                    f"{self.where[name].path.name} and {fn}"
                 )
+            self.where[name] = f
+
+    def _check_index(self, index: Path, weight_map: dict[str, str]) -> None:
+        """The index and the files agree: each tensor it maps is in the file it names, and the
+        files hold no tensor it leaves out."""
+        for name, fn in weight_map.items():
+            if name not in self.where or self.where[name].path.name != fn:
+                raise CheckpointError(
+                    f"{index}: maps {name!r} to {fn}, but that file does not hold it"
+                )
+        stray = sorted(set(self.where) - set(weight_map))
+        if stray:
+            raise CheckpointError(
+                f"{index}: tensors in the files but not in the index: {stray[:10]}"
+            )
 
     def names(self) -> list[str]:
         return sorted(self.where)
@@ -240,6 +247,14 @@ class Checkpoint:
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The weight_map of a model.safetensors.index.json (tensor name -> file name)."""
+    try:
+        return json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
 
 
 def _header_bytes(
