@@ -205,7 +205,9 @@ def test_the_check_drops_the_gil():
     t.join()
     total = time.perf_counter() - t0
     print(f"check took {total * 1e3:.0f} ms; longest tick gap {max(gaps) * 1e3:.1f} ms")
-    assert total > 0.05 and max(gaps) < 0.1, (total, max(gaps))
+    # held throughout, the longest gap would be the whole check; a loaded machine stretches
+    # ticks, so the bound is relative to the check's own time (never under 100 ms)
+    assert total > 0.05 and max(gaps) < max(0.1, total / 3), (total, max(gaps))
 
 
 # ---- item 7: patterns embedded, never injected ---------------------------------------------------
@@ -394,9 +396,10 @@ def test_the_server_answers_while_it_checks_a_poison_grammar(scripted):
             assert c.get("/health").status_code == 200
             worst = max(worst, time.perf_counter() - s)
         t.join()
-    print(f"poison checked in {(time.perf_counter() - t0) * 1e3:.0f} ms; "
-          f"slowest /health {worst * 1e3:.0f} ms")  # fmt: skip
-    assert out["r"].status_code == 400 and worst < 0.25, (out["r"].text, worst)
+    total = time.perf_counter() - t0
+    print(f"poison checked in {total * 1e3:.0f} ms; slowest /health {worst * 1e3:.0f} ms")
+    # a stalled loop would hold /health for the whole check (relative: a loaded machine)
+    assert out["r"].status_code == 400 and worst < max(0.25, total / 3), (out["r"].text, worst)
 
 
 @pytest.fixture(scope="module")
