@@ -197,15 +197,19 @@ def run(args: argparse.Namespace) -> int:
 def report(r: dict) -> None:
     nt = r["threads"]
     print(f"\n{nt} thread(s), read bandwidth {r['bandwidth_gb_s']:.1f} GB/s (measured)")
-    print(f"  {'path':<18} {'decode tok/s':>12} {'step ms':>8} {'bound ms':>8} {'x bound':>7}"
-          f" {'prefill s':>9}")  # fmt: skip
+    print(
+        f"  {'path':<18} {'decode tok/s':>12} {'step ms':>8} {'bound ms':>8} {'x bound':>7}"
+        f" {'prefill s':>9}"
+    )
     for name in ("mxfp4", "bf16", "mxfp4_reference", "hf_bf16"):
         if name not in r:
             continue
         x = r[name]
         bound = f"{x['bound_ms']:>8.2f} {x['of_bound']:>6.1f}x" if "bound_ms" in x else " " * 16
-        print(f"  {name:<18} {x['decode_tok_s']:>12.1f} {x['decode_ms']:>8.1f} {bound}"
-              f" {x['prefill_s']:>9.3f}")  # fmt: skip
+        print(
+            f"  {name:<18} {x['decode_tok_s']:>12.1f} {x['decode_ms']:>8.1f} {bound}"
+            f" {x['prefill_s']:>9.3f}"
+        )
     mx, bf = r["mxfp4"], r["bf16"]
     print(
         f"  MXFP4 / BF16 decode {mx['decode_tok_s'] / bf['decode_tok_s']:.2f}x (goal >= 2); "

@@ -123,8 +123,9 @@ def setup_commands(t: Topology) -> list[list[str]]:
             + ["peer", "name", t.node_if, "netns", t.node_ns]
         )
     elif t.link == "tun":
-        cmds += [["ip", "-n", ns, "tuntap", "add", "dev", dev, "mode", "tun"] for ns, dev, _ in
-                 t.ends()]  # fmt: skip
+        cmds += [
+            ["ip", "-n", ns, "tuntap", "add", "dev", dev, "mode", "tun"] for ns, dev, _ in t.ends()
+        ]
     else:
         raise ValueError(f"link {t.link!r}: veth or tun")
     for ns, dev, ip in t.ends():

@@ -69,29 +69,54 @@ def poison_cases(max_model_len: int) -> list[tuple[str, str, dict | bytes]]:
     stops = [f"{i:04d}" * 250 for i in range(64)]
     return [
         ("bad_words 40,000", "/v1/completions", {"prompt": "hi", "bad_words": words}),
-        ("bad_words 1,024", "/v1/completions", {"prompt": "hi", "max_tokens": 4,
-                                                "bad_words": words[:1024]}),
+        (
+            "bad_words 1,024",
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 4, "bad_words": words[:1024]},
+        ),
         ("stop 1,000,000", "/v1/completions", {"prompt": "hi", "stop": ["s"] * 1_000_000}),
-        ("stop 64 x 1,000 chars", "/v1/completions", {"prompt": "hi", "max_tokens": 8,
-                                                      "stop": stops}),
-        ("prompt_logprobs 20, long prompt", "/v1/completions",
-         {"prompt": [65] * long_prompt, "max_tokens": 1, "prompt_logprobs": 20}),
-        ("echo + logprobs 20, long prompt", "/v1/completions",
-         {"prompt": [66] * long_prompt, "max_tokens": 1, "echo": True, "logprobs": 20,
-          "stream": True}),
+        (
+            "stop 64 x 1,000 chars",
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 8, "stop": stops},
+        ),
+        (
+            "prompt_logprobs 20, long prompt",
+            "/v1/completions",
+            {"prompt": [65] * long_prompt, "max_tokens": 1, "prompt_logprobs": 20},
+        ),
+        (
+            "echo + logprobs 20, long prompt",
+            "/v1/completions",
+            {
+                "prompt": [66] * long_prompt,
+                "max_tokens": 1,
+                "echo": True,
+                "logprobs": 20,
+                "stream": True,
+            },
+        ),
         ("body 30 MB", "/v1/completions", b'{"prompt": "' + b"x" * (30 << 20) + b'"}'),
         ("text 20 MB", "/v1/completions", b'{"prompt": "' + b"x" * (20 << 20) + b'"}'),
-        ("text 4 MB", "/v1/completions", {"prompt": "y" * (4 << 20) , "max_tokens": 1}),
+        ("text 4 MB", "/v1/completions", {"prompt": "y" * (4 << 20), "max_tokens": 1}),
         ("637K token ids", "/v1/completions", {"prompt": [67] * 637_000, "max_tokens": 1}),
         ("n 128 x 2 prompts", "/v1/completions", {"prompt": ["a" * 2000] * 2, "n": 128}),
         ("tokenize 4 MB", "/v1/tokenize", {"prompt": "z" * (4 << 20)}),
         ("regex a{1000000}", "/v1/completions", {"prompt": "hi", "guided_regex": "a{1000000}"}),
-        ("regex nested repeats", "/v1/completions",
-         {"prompt": "hi", "guided_regex": "((a{100}){100}){100}"}),
-        ("tools 129", "/v1/chat/completions",
-         {"messages": [{"role": "user", "content": "hi"}],
-          "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}),
-    ]  # fmt: skip
+        (
+            "regex nested repeats",
+            "/v1/completions",
+            {"prompt": "hi", "guided_regex": "((a{100}){100}){100}"},
+        ),
+        (
+            "tools 129",
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)],
+            },
+        ),
+    ]
 
 
 class HealthPoller:
@@ -349,8 +374,10 @@ def run(args: argparse.Namespace) -> int:
     if args.skip != "poison":
         res = run_poison(args.url, args.api_key, max_len)
         out["poison"] = [asdict(r) for r in res]
-        print(f"{'poison':34} {'status':>6} {'param':>14} {'s':>6} {'loop lag ms <=':>14} "
-              f"{'/health max ms':>14} {'stream gap ms':>13} exact")  # fmt: skip
+        print(
+            f"{'poison':34} {'status':>6} {'param':>14} {'s':>6} {'loop lag ms <=':>14} "
+            f"{'/health max ms':>14} {'stream gap ms':>13} exact"
+        )
         for r in res:
             print(
                 f"{r.name:34} {r.status:>6} {str(r.param):>14} {r.seconds:>6.2f} "

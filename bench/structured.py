@@ -47,15 +47,22 @@ def large_schema(props: int = 24) -> dict:
         {"type": "boolean"},
         {"enum": ["alpha", "beta", "gamma", "delta", 'quo"te', "ünï"]},
         {"type": "string", "pattern": "^[a-z]{3}-[0-9]{2}$"},
-        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
-         "maxItems": 5},
-        {"type": "object", "properties": {
-            "id": {"type": "integer", "minimum": 0, "maximum": 99},
-            "tags": {"type": "array", "items": {"type": "string", "maxLength": 4},
-                     "maxItems": 3},
-            "ok": {"type": "boolean"}},
-         "required": ["id", "tags", "ok"], "additionalProperties": False},
-    ]  # fmt: skip
+        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 5},
+        {
+            "type": "object",
+            "properties": {
+                "id": {"type": "integer", "minimum": 0, "maximum": 99},
+                "tags": {
+                    "type": "array",
+                    "items": {"type": "string", "maxLength": 4},
+                    "maxItems": 3,
+                },
+                "ok": {"type": "boolean"},
+            },
+            "required": ["id", "tags", "ok"],
+            "additionalProperties": False,
+        },
+    ]
     properties = {f"field_{i}": kinds[i % len(kinds)] for i in range(props)}
     return {
         "type": "object",
@@ -192,17 +199,21 @@ def engine_runs(d: Path, spec, batch: int) -> dict:
         return seqs, time.perf_counter() - t, c.stats.steps - steps
 
     structured, ts, ss = timed(
-        [SamplingParams(max_tokens=2048, temperature=1.0, seed=i, grammar=spec)
-         for i in range(batch)]
-    )  # fmt: skip
+        [
+            SamplingParams(max_tokens=2048, temperature=1.0, seed=i, grammar=spec)
+            for i in range(batch)
+        ]
+    )
     bad = [s.finish_reason for s in structured if s.finish_reason != "stop"]
     if bad:
         log.warning("%d structured rows did not complete: %s", len(bad), bad[:3])
     n = [len(s.output) for s in structured]
     free, tf, sf = timed(
-        [SamplingParams(max_tokens=k, temperature=1.0, seed=i, ignore_eos=True)
-         for i, k in enumerate(n)]
-    )  # fmt: skip
+        [
+            SamplingParams(max_tokens=k, temperature=1.0, seed=i, ignore_eos=True)
+            for i, k in enumerate(n)
+        ]
+    )
     assert [len(s.output) for s in free] == n
     tokens = sum(n)
     return {
@@ -237,9 +248,12 @@ def run(args: argparse.Namespace) -> int:
     bpe = bpe_tokenizer(args.tokenizer)
     eos = bpe.tok.token_to_id("<|endoftext|>")
     res["mask_glm5_vocab"] = mask_walk(
-        spec, bpe, max(GLM5_VOCAB, bpe.tok.get_vocab_size()), (eos if eos is not None else 0,),
+        spec,
+        bpe,
+        max(GLM5_VOCAB, bpe.tok.get_vocab_size()),
+        (eos if eos is not None else 0,),
         args.walk_steps,
-    )  # fmt: skip
+    )
     res["engine"] = [engine_runs(d, spec, b) for b in args.batches]
     for e in res["engine"]:
         for k in ("mask_model_vocab", "mask_glm5_vocab"):
@@ -252,10 +266,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summary(res: dict) -> str:
-    lines = [f"large JSON schema: {res['schema_properties']} required properties, "
-             f"{res['schema_chars']} characters"]  # fmt: skip
-    for k, name in (("mask_model_vocab", "model's byte vocabulary"),
-                    ("mask_glm5_vocab", "GLM-5-sized BPE vocabulary")):  # fmt: skip
+    lines = [
+        f"large JSON schema: {res['schema_properties']} required properties, "
+        f"{res['schema_chars']} characters"
+    ]
+    for k, name in (
+        ("mask_model_vocab", "model's byte vocabulary"),
+        ("mask_glm5_vocab", "GLM-5-sized BPE vocabulary"),
+    ):
         m = res[k]
         lines.append(
             f"mask per step, {name} ({m['vocab']} tokens, {m['steps']} steps): "

@@ -101,11 +101,16 @@ def load(source: Path, *flag_sets: tuple[str, ...]) -> ctypes.CDLL | None:
             log.debug("building %s with %s failed: %s", source.name, flags, exc)
             continue
         if flags != flag_sets[0]:
-            log.info("kernel %s built with %s (the first flags failed: %s)", source.name,
-                     " ".join(flags), _one_line(first_error))
+            log.info(
+                "kernel %s built with %s (the first flags failed: %s)",
+                source.name,
+                " ".join(flags),
+                _one_line(first_error),
+            )
         return lib
-    log.warning("kernel %s unavailable, using the reference path: %s", source.name,
-                _one_line(first_error))
+    log.warning(
+        "kernel %s unavailable, using the reference path: %s", source.name, _one_line(first_error)
+    )
     return None
 
 

@@ -69,10 +69,23 @@ def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int):
     pos = torch.zeros(n, k, dtype=torch.int64)
     cnt = torch.empty(n, dtype=torch.int32)
     rc = lib.dsa_select(
-        qf.data_ptr(), wf.data_ptr(), n, H, D, store.data_ptr(),
-        int(store.dtype == torch.bfloat16), table.data_ptr(), keys.block_size, L, qp.data_ptr(),
-        k, scores.data_ptr(), pos.data_ptr(), cnt.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+        qf.data_ptr(),
+        wf.data_ptr(),
+        n,
+        H,
+        D,
+        store.data_ptr(),
+        int(store.dtype == torch.bfloat16),
+        table.data_ptr(),
+        keys.block_size,
+        L,
+        qp.data_ptr(),
+        k,
+        scores.data_ptr(),
+        pos.data_ptr(),
+        cnt.data_ptr(),
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise RuntimeError(f"dsa_select failed ({rc}): index_head_dim {D} > 256?")
     valid = torch.arange(k) < cnt[:, None]

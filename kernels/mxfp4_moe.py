@@ -104,17 +104,27 @@ def set_isa(isa: str | None = None) -> str:
     return _isa
 
 
-def _check(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w13_scale: Tensor,
-           w2: Tensor, w2_scale: Tensor, experts_min: int,
-           experts_max: int) -> tuple[int, int, int]:
+def _check(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    experts_min: int,
+    experts_max: int,
+) -> tuple[int, int, int]:
     """Validate shapes and dtypes; returns (E, H, I). Cheap when all is well (it runs on every
     decode step): messages are only built on failure."""
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"x must be [T, H] float32 or bfloat16, got {tuple(x.shape)} {x.dtype}")
     T = x.shape[0]
     if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights "
-                         f"{tuple(topk_weights.shape)} must both be [T={T}, k]")
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights "
+            f"{tuple(topk_weights.shape)} must both be [T={T}, k]"
+        )
     weights = (w13, w13_scale, w2, w2_scale)
     if any(t.dtype != torch.uint8 for t in weights):
         raise ValueError("w13, w13_scale, w2, w2_scale must be uint8 (packed E2M1 / E8M0)")
@@ -124,12 +134,16 @@ def _check(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w13_s
     want = ((E, 2 * I, H // 2), (E, 2 * I, H // 32), (E, H, I // 2), (E, H, I // 32))
     if H % 32 or I % 32 or any(t.shape != s for t, s in zip(weights, want)):
         names = ("w13", "w13_scale", "w2", "w2_scale")
-        raise ValueError(f"MXFP4 expert shapes for H={H}, I={I} (both multiples of 32): want "
-                         f"{dict(zip(names, want))}, got "
-                         f"{ {n: tuple(t.shape) for n, t in zip(names, weights)} }")
+        raise ValueError(
+            f"MXFP4 expert shapes for H={H}, I={I} (both multiples of 32): want "
+            f"{dict(zip(names, want))}, got "
+            f"{ {n: tuple(t.shape) for n, t in zip(names, weights)} }"
+        )
     if experts_max - experts_min + 1 != E:
-        raise ValueError(f"experts_min..experts_max = {experts_min}..{experts_max} (inclusive) "
-                         f"must span the {E} local experts")
+        raise ValueError(
+            f"experts_min..experts_max = {experts_min}..{experts_max} (inclusive) "
+            f"must span the {E} local experts"
+        )
     return E, H, I
 
 
@@ -151,18 +165,27 @@ def decode(packed: Tensor, scales: Tensor) -> Tensor:
     """packed [R, K/2], scales [R, K/32] (uint8) -> fp32 [R, K], with the C decoder (the
     reference codec if the kernel is unavailable)."""
     rows, K = packed.shape[0], packed.shape[-1] * 2
-    if (packed.dtype != torch.uint8 or scales.dtype != torch.uint8 or packed.dim() != 2
-            or K % 32 or tuple(scales.shape) != (rows, K // 32) or not packed.is_cpu):
-        raise ValueError(f"decode takes CPU uint8 packed [R, K/2] and scales [R, K/32], K a "
-                         f"multiple of 32; got {tuple(packed.shape)} {packed.dtype} and "
-                         f"{tuple(scales.shape)} {scales.dtype}")
+    if (
+        packed.dtype != torch.uint8
+        or scales.dtype != torch.uint8
+        or packed.dim() != 2
+        or K % 32
+        or tuple(scales.shape) != (rows, K // 32)
+        or not packed.is_cpu
+    ):
+        raise ValueError(
+            f"decode takes CPU uint8 packed [R, K/2] and scales [R, K/32], K a "
+            f"multiple of 32; got {tuple(packed.shape)} {packed.dtype} and "
+            f"{tuple(scales.shape)} {scales.dtype}"
+        )
     lib = _library()
     if lib is None:
         return _decode_reference(packed, scales)
     packed, scales = packed.contiguous(), scales.contiguous()
     out = torch.empty(rows, K, dtype=torch.float32)
-    lib.mx_decode(packed.data_ptr(), scales.data_ptr(), rows, K, out.data_ptr(),
-                  torch.get_num_threads())
+    lib.mx_decode(
+        packed.data_ptr(), scales.data_ptr(), rows, K, out.data_ptr(), torch.get_num_threads()
+    )
     return out
 
 
@@ -172,8 +195,9 @@ def decode(packed: Tensor, scales: Tensor) -> Tensor:
 _TILE_BYTES = 4 << 20
 
 
-def _tiled_linear_t(lib: ctypes.CDLL, xt: Tensor, packed: Tensor, scales: Tensor,
-                    buf: Tensor) -> Tensor:
+def _tiled_linear_t(
+    lib: ctypes.CDLL, xt: Tensor, packed: Tensor, scales: Tensor, buf: Tensor
+) -> Tensor:
     """decode(packed, scales) @ xt -> [rows, n]: xt is x transposed [K, n]; the weight is
     decoded a tile of rows at a time into `buf` and each tile multiplied while in cache."""
     rows, K = packed.shape[0], packed.shape[1] * 2
@@ -182,14 +206,21 @@ def _tiled_linear_t(lib: ctypes.CDLL, xt: Tensor, packed: Tensor, scales: Tensor
     p0, s0, nthreads = packed.data_ptr(), scales.data_ptr(), torch.get_num_threads()
     for r0 in range(0, rows, step):
         r = min(step, rows - r0)
-        tile = buf[:r * K].view(r, K)
+        tile = buf[: r * K].view(r, K)
         lib.mx_decode(p0 + r0 * (K // 2), s0 + r0 * (K // 32), r, K, tile.data_ptr(), nthreads)
-        torch.mm(tile, xt, out=out[r0:r0 + r])
+        torch.mm(tile, xt, out=out[r0 : r0 + r])
     return out
 
 
-def _gemm_experts(lib: ctypes.CDLL, x: Tensor, local_ids: Tensor, tw: Tensor, experts: list[int],
-                  weights: tuple[Tensor, Tensor, Tensor, Tensor], out: Tensor) -> None:
+def _gemm_experts(
+    lib: ctypes.CDLL,
+    x: Tensor,
+    local_ids: Tensor,
+    tw: Tensor,
+    experts: list[int],
+    weights: tuple[Tensor, Tensor, Tensor, Tensor],
+    out: Tensor,
+) -> None:
     """out[t] += w * down(silu(gate(x_t)) * up(x_t)) for the routes to `experts` (local ids),
     as decode-a-tile + torch GEMM: the prefill path, for experts with many tokens."""
     w13, s13, w2, s2 = weights
@@ -203,10 +234,19 @@ def _gemm_experts(lib: ctypes.CDLL, x: Tensor, local_ids: Tensor, tw: Tensor, ex
         out.index_add_(0, tok, y.t() * tw[tok, slot, None])
 
 
-def moe_mxfp4(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w13_scale: Tensor,
-              w2: Tensor, w2_scale: Tensor, experts_min: int, experts_max: int,
-              gemm_min_routes: int | None = None,
-              fallback: Callable[..., Tensor] | None = None) -> Tensor:
+def moe_mxfp4(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    experts_min: int,
+    experts_max: int,
+    gemm_min_routes: int | None = None,
+    fallback: Callable[..., Tensor] | None = None,
+) -> Tensor:
     """The routed experts of this rank (contract in the module docstring).
 
     gemm_min_routes: experts with at least this many routes in the call go through
@@ -218,13 +258,17 @@ def moe_mxfp4(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w1
     lib = _library()
     if lib is None:
         if fallback is None:
-            raise RuntimeError("the MXFP4 MoE kernel is unavailable (see the build warning) and "
-                               "no fallback was passed")
+            raise RuntimeError(
+                "the MXFP4 MoE kernel is unavailable (see the build warning) and "
+                "no fallback was passed"
+            )
         _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, experts_min, experts_max)
-        return fallback(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, experts_min,
-                        experts_max)
-    E, H, I = _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, experts_min,
-                     experts_max)
+        return fallback(
+            x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, experts_min, experts_max
+        )
+    E, H, I = _check(
+        x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, experts_min, experts_max
+    )
     T, k = topk_ids.shape
     thr = GEMM_MIN_ROUTES[_isa] if gemm_min_routes is None else gemm_min_routes
     thr = min(max(thr, 1), 2**31 - 1)
@@ -233,16 +277,38 @@ def moe_mxfp4(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w1
     out = torch.empty(T, H, dtype=torch.float32)
     # per-expert route counts are only needed when some expert may reach the GEMM threshold
     counts = torch.empty(E, dtype=torch.int32) if T * k >= thr else None
-    rc = lib.mx_moe_forward(xc.data_ptr(), int(x.dtype == torch.bfloat16), T, H, I, k,
-                            ids.data_ptr(), tw.data_ptr(), experts_min, E, w13.data_ptr(),
-                            w13_scale.data_ptr(), w2.data_ptr(), w2_scale.data_ptr(),
-                            out.data_ptr(), torch.get_num_threads(), thr,
-                            None if counts is None else counts.data_ptr())
+    rc = lib.mx_moe_forward(
+        xc.data_ptr(),
+        int(x.dtype == torch.bfloat16),
+        T,
+        H,
+        I,
+        k,
+        ids.data_ptr(),
+        tw.data_ptr(),
+        experts_min,
+        E,
+        w13.data_ptr(),
+        w13_scale.data_ptr(),
+        w2.data_ptr(),
+        w2_scale.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+        thr,
+        None if counts is None else counts.data_ptr(),
+    )
     if rc != 0:
         raise MemoryError("mx_moe_forward could not allocate its scratch buffers")
     if counts is not None:
         heavy = torch.nonzero(counts >= thr).flatten().tolist()
         if heavy:
-            _gemm_experts(lib, xc.float(), ids.long() - experts_min, tw, heavy,
-                          (w13, w13_scale, w2, w2_scale), out)
+            _gemm_experts(
+                lib,
+                xc.float(),
+                ids.long() - experts_min,
+                tw,
+                heavy,
+                (w13, w13_scale, w2, w2_scale),
+                out,
+            )
     return out if x.dtype == torch.float32 else out.to(x.dtype)

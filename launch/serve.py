@@ -108,8 +108,12 @@ def run(args: argparse.Namespace) -> int:
             log.warning("hpu: %s=%s (default; export it to override)", k, v)
         # here, before any worker starts: says clearly what is missing on a machine without Gaudi
         backend = get_backend("hpu")
-        log.warning("hpu: ops %r on device %r, collectives %r", backend.ops().name,
-                    backend.device, backend.dist_backend)  # fmt: skip
+        log.warning(
+            "hpu: ops %r on device %r, collectives %r",
+            backend.ops().name,
+            backend.device,
+            backend.dist_backend,
+        )
     return serve(args, d, cfg)
 
 

@@ -166,7 +166,7 @@ BAD = [  # (path, body, the field the 400 must name; None: the body itself)
         "m",
         {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]}]},
         "messages.0.tool_calls.0.id",
-    ),  # fmt: skip
+    ),
     ("m", {"tools": [{"type": "function"}]}, "tools.0.function"),
     ("m", {"top_logprobs": 2}, "top_logprobs"),
     ("m", {"echo": True}, "echo"),
@@ -279,8 +279,11 @@ def _read_response(s: socket.socket) -> bytes:
             return data
         data += more
     head, _, body = data.partition(b"\r\n\r\n")
-    length = [int(v) for k, v in (h.split(b":", 1) for h in head.split(b"\r\n")[1:])
-              if k.strip().lower() == b"content-length"]  # fmt: skip
+    length = [
+        int(v)
+        for k, v in (h.split(b":", 1) for h in head.split(b"\r\n")[1:])
+        if k.strip().lower() == b"content-length"
+    ]
     while len(body) < (length[0] if length else 0):
         body += s.recv(4096)
     return head + b"\r\n\r\n" + body

@@ -107,8 +107,16 @@ def test_chat_logprobs_are_the_models_and_stream_equals_json(server, oc, default
 
 
 def test_completions_batch_n_echo_logprobs_stream_equals_json(oc):
-    kw = dict(model=MODEL, prompt=["ab", "xyz"], n=2, echo=True, logprobs=2, max_tokens=3,
-              temperature=0.8, seed=3)  # fmt: skip
+    kw = dict(
+        model=MODEL,
+        prompt=["ab", "xyz"],
+        n=2,
+        echo=True,
+        logprobs=2,
+        max_tokens=3,
+        temperature=0.8,
+        seed=3,
+    )
     r = oc.completions.create(**kw)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 12
@@ -127,8 +135,7 @@ def test_completions_batch_n_echo_logprobs_stream_equals_json(oc):
     assert alone.choices[0].text == r.choices[3].text
     # the stream, reassembled per choice
     parts = {}
-    chunks = list(oc.completions.create(**kw, stream=True,
-                                        stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(oc.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     for ch in chunks:
         for c in ch.choices:
             text, lps, reason = parts.get(c.index, ("", [], None))
@@ -142,8 +149,13 @@ def test_completions_batch_n_echo_logprobs_stream_equals_json(oc):
 def test_prompt_logprobs_in_vllms_shape(oc, default_model):
     from dist_glm5.model.reference_loop import full_logits
 
-    r = oc.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=1, temperature=0,
-                              extra_body={"prompt_logprobs": 2})  # fmt: skip
+    r = oc.completions.create(
+        model=MODEL,
+        prompt=[5, 6, 7, 8],
+        max_tokens=1,
+        temperature=0,
+        extra_body={"prompt_logprobs": 2},
+    )
     plp = r.choices[0].model_extra["prompt_logprobs"]
     ref = torch.log_softmax(full_logits(default_model, [5, 6, 7, 8]), -1)
     assert plp[0] is None and len(plp) == 4
@@ -153,29 +165,48 @@ def test_prompt_logprobs_in_vllms_shape(oc, default_model):
         rank = int((ref[i] > ref[i, tok]).sum()) + 1
         assert entry[str(tok)]["rank"] == rank
         top = ref[i].topk(2).indices.tolist()
-        assert [entry[str(t)]["rank"] for t in top] == [1, 2] and set(entry) <= {str(tok), *map(
-            str, top)}  # fmt: skip
+        assert [entry[str(t)]["rank"] for t in top] == [1, 2] and set(entry) <= {
+            str(tok),
+            *map(str, top),
+        }
 
 
 SCHEMAS = [
-    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-     "additionalProperties": False},
-    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1,
-     "maxItems": 3},
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4},
-     "tags": {"type": "array", "items": {"enum": ["a", 'b"c']}, "maxItems": 2}},
-     "required": ["name", "tags"], "additionalProperties": False},
-]  # fmt: skip
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 9},
+        "minItems": 1,
+        "maxItems": 3,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 4},
+            "tags": {"type": "array", "items": {"enum": ["a", 'b"c']}, "maxItems": 2},
+        },
+        "required": ["name", "tags"],
+        "additionalProperties": False,
+    },
+]
 
 
 @pytest.mark.parametrize("i", range(len(SCHEMAS)))
 def test_response_format_json_schema(oc, i):
-    fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i],
-                                                  "strict": True}}  # fmt: skip
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i], "strict": True},
+    }
     kw = dict(response_format=fmt, max_tokens=80)
     for temperature in (0, 1.0):
-        r = oc.chat.completions.create(model=MODEL, messages=MSGS, **kw, temperature=temperature,
-                                       seed=i)  # fmt: skip
+        r = oc.chat.completions.create(
+            model=MODEL, messages=MSGS, **kw, temperature=temperature, seed=i
+        )
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[i])
         s, _ = chat_stream(oc, **kw, temperature=temperature, seed=i)
@@ -191,11 +222,12 @@ def test_penalties_stop_strings_and_special_tokens(oc):
         presence_penalty=1,
         extra_body={"repetition_penalty": 1.5, "ignore_eos": True},
     )
-    assert pen.choices[0].text != plain  # fmt: skip
+    assert pen.choices[0].text != plain
     stop = plain[3:5]
     cut = oc.completions.create(**base, stop=[stop]).choices[0].text
-    kept = oc.completions.create(**base, stop=[stop],
-                                 extra_body={"include_stop_str_in_output": True})  # fmt: skip
+    kept = oc.completions.create(
+        **base, stop=[stop], extra_body={"include_stop_str_in_output": True}
+    )
     assert cut == plain[:3] and kept.choices[0].text == plain[:5]
     bos = dict(base, max_tokens=2, logit_bias={"256": 100})
     shown = oc.completions.create(**bos, extra_body={"skip_special_tokens": False})

@@ -96,11 +96,14 @@ VARIANTS = {
     # min_tokens holds EOS back until a second call has begun (one call is < 120 bytes), then
     # a bias ends the answer where the grammar first allows: exactly two calls ("required"; a
     # named function is called once, whatever min_tokens says)
-    "parallel": ([ADD, WX], "add", {"extra_body": {"min_tokens": 120}, "max_tokens": 300,
-                                    "logit_bias": {"257": 100}}),
+    "parallel": (
+        [ADD, WX],
+        "add",
+        {"extra_body": {"min_tokens": 120}, "max_tokens": 300, "logit_bias": {"257": 100}},
+    ),
     "nested": ([NEST], "nest", {"parallel_tool_calls": False}),
     "strings": ([NOTE], "note", {"parallel_tool_calls": False}),
-}  # fmt: skip
+}
 CHOICES = ["none", "auto", "required", "named"]
 MODEL = "glm5-tiny"
 
@@ -111,8 +114,13 @@ def tools_of(variant):
 
 def request(variant, choice):
     fns, named, extra = VARIANTS[variant]
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": f"use {variant}"}],
-              tools=tools_of(variant), temperature=0, max_tokens=200)  # fmt: skip
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"use {variant}"}],
+        tools=tools_of(variant),
+        temperature=0,
+        max_tokens=200,
+    )
     kw.update(extra)
     if choice == "named":
         kw["tool_choice"] = {"type": "function", "function": {"name": named}}
@@ -149,8 +157,9 @@ def server(default_model_dir):
     c = coordinator(default_model_dir, cache=CacheConfig(256), max_model_len=2048)
     loop = EngineLoop(c)
     vocab = ModelConfig.from_hf(default_model_dir).vocab_size
-    srv = start_server(loop, ModelInfo.from_model_dir(default_model_dir, MODEL, 2048, vocab,
-                                                      c.tokenizer))  # fmt: skip
+    srv = start_server(
+        loop, ModelInfo.from_model_dir(default_model_dir, MODEL, 2048, vocab, c.tokenizer)
+    )
     yield srv
     srv.stop()
     srv.client.close()
@@ -206,8 +215,11 @@ def test_tool_call_matrix(cells, variant, choice, stream):
     content, calls, reason = cells[(variant, choice, stream)]
     other = cells[(variant, choice, not stream)]
     # streamed deltas reassemble to the non-streamed answer (call ids are fresh per answer)
-    assert (content, [c[1:] for c in calls], reason) == (other[0], [c[1:] for c in other[1]],
-                                                         other[2])  # fmt: skip
+    assert (content, [c[1:] for c in calls], reason) == (
+        other[0],
+        [c[1:] for c in other[1]],
+        other[2],
+    )
     fns, named, _ = VARIANTS[variant]
     schemas = {f["name"]: f["parameters"] for f in fns}
     if choice in ("none", "auto"):
@@ -232,23 +244,33 @@ def test_tool_messages_are_fed_back(server, oc):
     args = json.dumps({"city": "Zürich", "days": 2}, ensure_ascii=False)
     msgs = [
         {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "wx", "arguments": args}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "wx", "arguments": args}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
-    ]  # fmt: skip
+    ]
     r = httpx.post(server.url + "/v1/tokenize", json={"messages": msgs, "tools": tools_of("one")})
     text = httpx.post(server.url + "/v1/detokenize", json={"tokens": r.json()["tokens"]})
     text = text.json()["prompt"]
     assert '"name": "wx"' in text  # the tools, listed
-    assert ("<tool_call>wx<arg_key>city</arg_key><arg_value>Zürich</arg_value>"
-            "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>") in text  # fmt: skip
+    assert (
+        "<tool_call>wx<arg_key>city</arg_key><arg_value>Zürich</arg_value>"
+        "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>"
+    ) in text
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
     assert text.endswith("<|assistant|>\n")
-    ans = oc.chat.completions.create(model=MODEL, messages=msgs, tools=tools_of("one"),
-                                     max_tokens=3, temperature=0)  # fmt: skip
+    ans = oc.chat.completions.create(
+        model=MODEL, messages=msgs, tools=tools_of("one"), max_tokens=3, temperature=0
+    )
     assert ans.usage.prompt_tokens == r.json()["count"]
-    bad = httpx.post(server.url + "/v1/chat/completions", json={
-        "messages": [{"role": "tool", "content": "x"}], "max_tokens": 2})  # fmt: skip
+    bad = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": [{"role": "tool", "content": "x"}], "max_tokens": 2},
+    )
     assert bad.status_code == 400 and "tool_call_id" in bad.json()["error"]["message"]
 
 
@@ -258,15 +280,25 @@ def test_tool_messages_are_fed_back(server, oc):
         ({"tool_choice": "required"}, "tool_choice"),  # no tools
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "wx"}}] * 2}, "tools"),
-        ({"tools": tools_of("one"), "tool_choice": {"type": "function",
-                                                    "function": {"name": "nope"}}},
-         "tool_choice"),
-        ({"tools": tools_of("one"), "tool_choice": "required",
-          "response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {
+                "tools": tools_of("one"),
+                "tool_choice": {"type": "function", "function": {"name": "nope"}},
+            },
+            "tool_choice",
+        ),
+        (
+            {
+                "tools": tools_of("one"),
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
         ({"tools": tools_of("one"), "tool_choice": "sometimes"}, "tool_choice"),
         ({"functions": [{"name": "x"}]}, "functions"),
     ],
-)  # fmt: skip
+)
 def test_bad_tool_requests_are_400s_naming_the_field(server, body, param):
     import httpx
 
@@ -280,21 +312,24 @@ def test_bad_tool_requests_are_400s_naming_the_field(server, body, param):
 # ---- the auto path on a scripted engine --------------------------------------------------------
 SCRIPT = {
     "call": 'Checking.<tool_call>wx<arg_key>city</arg_key><arg_value>Zürich "Nord"\nA'
-            "</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>",
+    "</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>",
     "parallel": "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b"
-                "</arg_key>\n<arg_value>2</arg_value>\n</tool_call>\n<tool_call>wx<arg_key>city"
-                "</arg_key><arg_value>東京</arg_value><arg_key>days</arg_key><arg_value>1"
-                "</arg_value></tool_call>",
+    "</arg_key>\n<arg_value>2</arg_value>\n</tool_call>\n<tool_call>wx<arg_key>city"
+    "</arg_key><arg_value>東京</arg_value><arg_key>days</arg_key><arg_value>1"
+    "</arg_value></tool_call>",
     "malformed": "a <tool_call>nope<arg_key>x</arg_key><arg_value>1</arg_value></tool_call> b",
     "truncated": "ok <tool_call>wx<arg_key>city</arg_key><arg_val",
-}  # fmt: skip
+}
 PARSED = {
     "call": ("Checking.", [("wx", {"city": 'Zürich "Nord"\nA', "days": 3})], "tool_calls"),
-    "parallel": (None, [("add", {"a": 1, "b": 2}), ("wx", {"city": "東京", "days": 1})],
-                 "tool_calls"),
+    "parallel": (
+        None,
+        [("add", {"a": 1, "b": 2}), ("wx", {"city": "東京", "days": 1})],
+        "tool_calls",
+    ),
     "malformed": (SCRIPT["malformed"], [], "stop"),
     "truncated": (SCRIPT["truncated"], [], "stop"),
-}  # fmt: skip
+}
 
 
 class ScriptedLoop:
@@ -325,8 +360,11 @@ class ScriptedLoop:
         events = [Delta(list(data[i * 3 : i * 3 + 3]), p) for i, p in enumerate(pieces)]
         for d in events:
             h.events.put(("delta", d))
-        seq = type("Seq", (), {"output": list(data), "finish_reason": "stop", "logprobs": [],
-                               "prompt_logprobs": []})()  # fmt: skip
+        seq = type(
+            "Seq",
+            (),
+            {"output": list(data), "finish_reason": "stop", "logprobs": [], "prompt_logprobs": []},
+        )()
         h.events.put(("done", seq))
         return h
 
@@ -359,8 +397,12 @@ def scripted():
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 @pytest.mark.parametrize("script", list(SCRIPT))
 def test_auto_parses_what_the_model_writes(scripted, script, stream):
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": script}],
-              tools=tools_of("several"), max_tokens=300)  # fmt: skip
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": script}],
+        tools=tools_of("several"),
+        max_tokens=300,
+    )
     content, calls, reason = answer(scripted, kw, stream)
     want_content, want_calls, want_reason = PARSED[script]
     assert content == want_content and reason == want_reason
@@ -398,10 +440,15 @@ def test_a_jinja_template_gets_tools_and_calls_as_glms_do():
     args = json.dumps({"city": "東京", "opts": {"n": [1, 2]}}, ensure_ascii=False)
     msgs = [
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "wx", "arguments": args}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "wx", "arguments": args}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c", "content": "ok"},
-    ]  # fmt: skip
+    ]
     out = ChatTemplate(GLM_LIKE).render(msgs, tools=tools_of("one"))
     assert '{"type": "function", "function": {"name": "wx"' in out  # tojson(ensure_ascii=False)
     assert (
@@ -409,4 +456,4 @@ def test_a_jinja_template_gets_tools_and_calls_as_glms_do():
         '<arg_key>opts</arg_key><arg_value>{"n": [1, 2]}</arg_value></tool_call>'
     ) in out
     assert "<|observation|><tool_response>ok</tool_response>" in out
-    assert out.endswith("<|assistant|>")  # fmt: skip
+    assert out.endswith("<|assistant|>")

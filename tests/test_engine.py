@@ -237,10 +237,20 @@ def test_engine_memory_is_flat_over_many_requests(default_model_dir):
         s = c.scheduler
         m = loop.metrics_snapshot()
         return (
-            len(loop.live), len(s.by_id), len(s.sent), len(s.running), len(s.waiting),
-            len(s.block_manager.tables), len(w.seqs), len(w.cache.tables), len(c.step_events),
-            len(m.ttft.counts), len(m.e2e.counts), len(m.finished), len(m.stage_busy_seconds),
-        )  # fmt: skip
+            len(loop.live),
+            len(s.by_id),
+            len(s.sent),
+            len(s.running),
+            len(s.waiting),
+            len(s.block_manager.tables),
+            len(w.seqs),
+            len(w.cache.tables),
+            len(c.step_events),
+            len(m.ttft.counts),
+            len(m.e2e.counts),
+            len(m.finished),
+            len(m.stage_busy_seconds),
+        )
 
     try:
         wave(10)

@@ -85,10 +85,26 @@ def test_fallback_runs_without_the_kernel(mx_dir):
     ids = ",".join(map(str, PROMPTS[0]))
     env = {**os.environ, "DIST_GLM5_KERNELS": "0"}
     r = subprocess.run(
-        [sys.executable, "-m", "dist_glm5.launch.cli", "launch", "generate", "--model",
-         str(mx_dir), "--prompt-ids", ids, "--max-tokens", "12", "--ignore-eos", "--json"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dist_glm5.launch.cli",
+            "launch",
+            "generate",
+            "--model",
+            str(mx_dir),
+            "--prompt-ids",
+            ids,
+            "--max-tokens",
+            "12",
+            "--ignore-eos",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "MXFP4 MoE kernel unavailable" in r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] == want[0]

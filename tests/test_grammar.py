@@ -32,8 +32,11 @@ def leaf(r: random.Random, depth: int) -> dict:
     if kind == "number":
         return {"type": "number", "minimum": -10, "maximum": 10}
     if kind == "array":
-        return {"type": "array", "items": leaf(r, depth + 1) if depth < 2 else {"type": "boolean"},
-                "maxItems": 3}  # fmt: skip
+        return {
+            "type": "array",
+            "items": leaf(r, depth + 1) if depth < 2 else {"type": "boolean"},
+            "maxItems": 3,
+        }
     if kind == "object" and depth < 2:
         return obj(r, depth + 1)
     return {"type": kind if kind != "object" else "null"}
@@ -82,15 +85,26 @@ def test_json_object_is_an_object():
 
 
 FUNCTIONS = [
-    {"name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 10},
-        "unit": {"type": "string", "enum": ["C", "F"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 14},
-        "where": {"type": "object", "properties": {"lat": {"type": "number"}},
-                  "required": ["lat"], "additionalProperties": False}},
-        "required": ["city", "days"]}},
+    {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "unit": {"type": "string", "enum": ["C", "F"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                "where": {
+                    "type": "object",
+                    "properties": {"lat": {"type": "number"}},
+                    "required": ["lat"],
+                    "additionalProperties": False,
+                },
+            },
+            "required": ["city", "days"],
+        },
+    },
     {"name": "ping", "parameters": {"type": "object", "properties": {}}},
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -49,9 +49,15 @@ MODEL = "glm5-tiny"
 
 
 def fn(name, props, required=None):
-    return {"name": name, "parameters": {"type": "object", "properties": props,
-                                         "required": list(props) if required is None else required,
-                                         "additionalProperties": False}}  # fmt: skip
+    return {
+        "name": name,
+        "parameters": {
+            "type": "object",
+            "properties": props,
+            "required": list(props) if required is None else required,
+            "additionalProperties": False,
+        },
+    }
 
 
 def walk(spec, seed, limit=3000):
@@ -81,15 +87,19 @@ POISON = {
     "regex a{1000000}": GrammarSpec("regex", "a{1000000}"),
     "regex nested": GrammarSpec("regex", "((a{100}){100}){100}"),
     "regex after a branch": GrammarSpec("regex", "(b|c)a{1000000}"),
-    "lark lexeme": GrammarSpec("lark", 'start: /[xy]+/ q\nq: /a{1000000}/'),
+    "lark lexeme": GrammarSpec("lark", "start: /[xy]+/ q\nq: /a{1000000}/"),
     "schema pattern": GrammarSpec.json_schema({"type": "string", "pattern": "^a{1000000}$"}),
     "nested property pattern": GrammarSpec.json_schema(
-        {"type": "object", "properties": {"k": {"type": "string",
-                                                "pattern": "^((a{100}){100}){100}$"}},
-         "required": ["k"]}),  # fmt: skip
-    "tool pattern": GrammarSpec.tool_calls([fn("f", {"p": {"type": "string",
-                                                           "pattern": "^a{1000000}$"}})]),
-}  # fmt: skip
+        {
+            "type": "object",
+            "properties": {"k": {"type": "string", "pattern": "^((a{100}){100}){100}$"}},
+            "required": ["k"],
+        }
+    ),
+    "tool pattern": GrammarSpec.tool_calls(
+        [fn("f", {"p": {"type": "string", "pattern": "^a{1000000}$"}})]
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(POISON))
@@ -107,12 +117,13 @@ def test_grammars_the_worker_cannot_serve_are_too_large(name):
 
 UNSATISFIABLE = {
     "self $ref": GrammarSpec.json_schema({"$ref": "#"}),
-    "$ref loop": GrammarSpec.json_schema({"$defs": {"a": {"$ref": "#/$defs/a"}},
-                                          "$ref": "#/$defs/a"}),  # fmt: skip
+    "$ref loop": GrammarSpec.json_schema(
+        {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    ),
     "empty class": GrammarSpec("regex", r"[^\x00-\x{10FFFF}]"),
     "empty interval": GrammarSpec.json_schema({"type": "integer", "minimum": 5, "maximum": 1}),
     "lark nothing": GrammarSpec("lark", "start: AB\nAB: /[a]/ & /[b]/"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", list(UNSATISFIABLE))
@@ -141,12 +152,19 @@ ACCEPTED = [
     GrammarSpec("regex", "a{1000}"),
     GrammarSpec("regex", "[a-c]{3,9}(/[0-9]+)?"),
     GrammarSpec("regex", ""),
-    GrammarSpec.json_schema({"type": "object", "properties": {
-        "id": {"type": "string", "pattern": "^[a-z]+/[0-9]{2}$"},
-        "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["id", "n"]}),
+    GrammarSpec.json_schema(
+        {
+            "type": "object",
+            "properties": {
+                "id": {"type": "string", "pattern": "^[a-z]+/[0-9]{2}$"},
+                "n": {"type": "integer", "minimum": 0, "maximum": 9},
+            },
+            "required": ["id", "n"],
+        }
+    ),
     GrammarSpec("lark", 'start: "x" /[0-9]{1,4}/ | "y"'),
     GrammarSpec.tool_calls([fn("f", {"p": {"type": "string", "pattern": "^a/b+$"}})], 1, 1),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("i", range(len(ACCEPTED)))
@@ -289,9 +307,17 @@ def test_patterns_reaching_outside_their_group_are_refused(pattern):
 
 
 def test_errors_never_show_the_internal_grammar():
-    bad = GrammarSpec.tool_calls([fn("f", {"p": {"type": "string", "pattern": "^a(?=b)"},
-                                            "q": {"type": "integer", "minimum": 3,
-                                                  "maximum": 1}})])  # fmt: skip
+    bad = GrammarSpec.tool_calls(
+        [
+            fn(
+                "f",
+                {
+                    "p": {"type": "string", "pattern": "^a(?=b)"},
+                    "q": {"type": "integer", "minimum": 3, "maximum": 1},
+                },
+            )
+        ]
+    )
     e = refusal(bad)
     for internal in ("arg_value", "start:", "<tool_call>", "fn_0", "val_0", "(?s:.)", "<state>"):
         assert internal not in str(e), str(e)
@@ -340,38 +366,66 @@ def tools(*fs):
 NESTED = "^((a{100}){100}){100}$"
 REFUSALS = {
     "guided_regex huge": ({"guided_regex": "a{1000000}"}, "guided_regex", "too large"),
-    "guided_regex nested": ({"guided_regex": "((a{100}){100}){100}"}, "guided_regex",
-                            "too large"),
-    "guided_regex nothing": ({"guided_regex": r"[^\x00-\x{10FFFF}]"}, "guided_regex",
-                             "cannot be satisfied"),
+    "guided_regex nested": ({"guided_regex": "((a{100}){100}){100}"}, "guided_regex", "too large"),
+    "guided_regex nothing": (
+        {"guided_regex": r"[^\x00-\x{10FFFF}]"},
+        "guided_regex",
+        "cannot be satisfied",
+    ),
     "pattern in response_format": (
-        {"response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"type": "string", "pattern": NESTED}}}},
-        "response_format", "too large"),
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "pattern": NESTED}},
+            }
+        },
+        "response_format",
+        "too large",
+    ),
     "guided_json $ref": ({"guided_json": {"$ref": "#"}}, "guided_json", "cannot be satisfied"),
-    "parameters not a schema": ({"tools": tools(fn("ok", {}), {"name": "bad", "parameters": {
-        "type": "foo"}})}, "tools.1.function.parameters", "not a valid JSON Schema"),
-    "$schema not a string": ({"tools": tools({"name": "f", "parameters": {"$schema": {}}})},
-                             "tools.0.function.parameters", "$schema must be a string"),
-    "pattern not a regex": ({"tools": tools(fn("f", {"p": {"type": "string",
-                                                             "pattern": "x)|(y"}}))},
-                            "tools.0.function.parameters", "not a valid JSON Schema"),
-    "tool pattern too large": ({"tools": tools(fn("ok", {}), fn("f", {"p": {
-        "type": "string", "pattern": NESTED}})), "tool_choice": "required"},
-        "tools.1.function.parameters", "too large"),
-    "named tool unsatisfiable": ({"tools": tools(fn("f", {"n": {
-        "type": "integer", "minimum": 3, "maximum": 1}})), "tool_choice": {
-        "type": "function", "function": {"name": "f"}}},
-        "tools.0.function.parameters", "cannot be satisfied"),
-}  # fmt: skip
+    "parameters not a schema": (
+        {"tools": tools(fn("ok", {}), {"name": "bad", "parameters": {"type": "foo"}})},
+        "tools.1.function.parameters",
+        "not a valid JSON Schema",
+    ),
+    "$schema not a string": (
+        {"tools": tools({"name": "f", "parameters": {"$schema": {}}})},
+        "tools.0.function.parameters",
+        "$schema must be a string",
+    ),
+    "pattern not a regex": (
+        {"tools": tools(fn("f", {"p": {"type": "string", "pattern": "x)|(y"}}))},
+        "tools.0.function.parameters",
+        "not a valid JSON Schema",
+    ),
+    "tool pattern too large": (
+        {
+            "tools": tools(fn("ok", {}), fn("f", {"p": {"type": "string", "pattern": NESTED}})),
+            "tool_choice": "required",
+        },
+        "tools.1.function.parameters",
+        "too large",
+    ),
+    "named tool unsatisfiable": (
+        {
+            "tools": tools(fn("f", {"n": {"type": "integer", "minimum": 3, "maximum": 1}})),
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+        },
+        "tools.0.function.parameters",
+        "cannot be satisfied",
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(REFUSALS))
 def test_refusals_are_400s_naming_the_field(scripted, name):
     body, param, says = REFUSALS[name]
     t0 = time.perf_counter()
-    r = httpx.post(scripted.url + "/v1/chat/completions", timeout=60, json={
-        "messages": [{"role": "user", "content": "call"}], "max_tokens": 8, **body})  # fmt: skip
+    r = httpx.post(
+        scripted.url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "call"}], "max_tokens": 8, **body},
+    )
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == param and says in err["message"], r.text
     for internal in ("arg_value", "start:", "fn_0", "(?s:.)", "<state>"):
@@ -381,13 +435,15 @@ def test_refusals_are_400s_naming_the_field(scripted, name):
 
 def test_the_server_answers_while_it_checks_a_poison_grammar(scripted):
     """/health stays fast while the slowest grammar is compiled for another request."""
-    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
-            "guided_regex": "((a{100}){100}){100}"}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 4,
+        "guided_regex": "((a{100}){100}){100}",
+    }
     with httpx.Client(base_url=scripted.url, timeout=60) as c:
         c.get("/health")
         out = {}
-        t = threading.Thread(target=lambda: out.update(r=c.post("/v1/chat/completions",
-                                                               json=body)))  # fmt: skip
+        t = threading.Thread(target=lambda: out.update(r=c.post("/v1/chat/completions", json=body)))
         t0 = time.perf_counter()
         t.start()
         worst = 0.0
@@ -417,8 +473,13 @@ def real(default_model_dir):
     loop.close()
 
 
-ADD = fn("add", {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                 "b": {"type": "integer", "minimum": 0, "maximum": 99}})  # fmt: skip
+ADD = fn(
+    "add",
+    {
+        "a": {"type": "integer", "minimum": 0, "maximum": 99},
+        "b": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+)
 PATH = fn("open", {"path": {"type": "string", "pattern": r"^/[a-z]{1,6}(/[a-z0-9]{1,4}){0,2}$"}})
 
 
@@ -434,9 +495,17 @@ PATH = fn("open", {"path": {"type": "string", "pattern": r"^/[a-z]{1,6}(/[a-z0-9
 def test_calls_over_http(real, choice, extra, calls):
     # min_tokens holds EOS back past one call (a call is < 120 bytes); where the grammar allows
     # only one call it ends there anyway, and a bias on EOS ends at the first place it may
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "temperature": 0,
-            "tools": tools(ADD, PATH), "tool_choice": choice, "max_tokens": 300,
-            "min_tokens": 120, "logit_bias": {"257": 100}, **extra}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "go"}],
+        "temperature": 0,
+        "tools": tools(ADD, PATH),
+        "tool_choice": choice,
+        "max_tokens": 300,
+        "min_tokens": 120,
+        "logit_bias": {"257": 100},
+        **extra,
+    }
     r = httpx.post(real.url + "/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     ch = r.json()["choices"][0]
@@ -452,8 +521,14 @@ def test_calls_over_http(real, choice, extra, calls):
 
 def test_a_guided_regex_with_a_slash_over_http(real):
     rx = r"[a-z]{2,5}/[0-9]{1,3}"
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}],
-            "guided_regex": rx, "max_tokens": 40, "temperature": 1, "seed": 5}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "go"}],
+        "guided_regex": rx,
+        "max_tokens": 40,
+        "temperature": 1,
+        "seed": 5,
+    }
     r = httpx.post(real.url + "/v1/chat/completions", json=body, timeout=300)
     ch = r.json()["choices"][0]
     assert ch["finish_reason"] == "stop" and re.fullmatch(rx, ch["message"]["content"]), ch

@@ -53,8 +53,14 @@ def test_fused_sdpa_call_contract_and_output(fake_hf, dtype):
     assert v.shape == (B, h, L, V)
     assert bias.shape == (B, 1, n, L) and bias.dtype == q.dtype == dtype
     assert int(torch.isinf(bias).sum()) == int((~keep).sum()) and bias.max() == 0
-    assert (dropout, causal, scale, mode, recompute, valid_len) == (0.0, False, 0.3, "None",
-                                                                     None, None)  # fmt: skip
+    assert (dropout, causal, scale, mode, recompute, valid_len) == (
+        0.0,
+        False,
+        0.3,
+        "None",
+        None,
+        None,
+    )
     want = ref.mla_expanded(q_nope, q_rot, lat, k_rot, w, keep, 0.3, NOPE)
     assert out.shape == want.shape and out.dtype == dtype
     assert close(out, want, 1e-5 if dtype == torch.float32 else 3e-2)
@@ -164,10 +170,12 @@ def test_attend_absorbed_chunked_equals_reference_with_padded_chunks():
     keys = KeySlots(torch.tensor([3, 0, 5, 1]), 16, 50)
     mask = torch.rand(5, 50, generator=g) < 0.3
     mask[:, 0] = True
-    got = attention.attend_absorbed_chunked(q_lat, q_rot, store.repeat(2, 1)[:96], keys, mask,
-                                            C, 0.2, 7 * row)  # fmt: skip
-    want = ref.attend_absorbed_chunked(q_lat, q_rot, store.repeat(2, 1)[:96], keys, mask, C, 0.2,
-                                       7 * row)  # fmt: skip
+    got = attention.attend_absorbed_chunked(
+        q_lat, q_rot, store.repeat(2, 1)[:96], keys, mask, C, 0.2, 7 * row
+    )
+    want = ref.attend_absorbed_chunked(
+        q_lat, q_rot, store.repeat(2, 1)[:96], keys, mask, C, 0.2, 7 * row
+    )
     assert close(got, want, 1e-5)
 
 

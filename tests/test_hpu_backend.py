@@ -77,8 +77,19 @@ def test_bucket_tables_up_to_637k():
         assert list(t) == sorted(set(t)) and t[0] >= 1
     blocks = -(-652_288 // 128)
     assert cfg.table("decode_ctx")[-1] == blocks == 5096
-    assert cfg.table("prompt_query") == (128, 256, 512, 1024, 2048, 3072, 4096, 5120, 6144,
-                                         7168, 8192)  # fmt: skip
+    assert cfg.table("prompt_query") == (
+        128,
+        256,
+        512,
+        1024,
+        2048,
+        3072,
+        4096,
+        5120,
+        6144,
+        7168,
+        8192,
+    )
     assert BucketConfig() == cfg
     for dim in (Linear(1, 32, 64), Exp(1, blocks, 2), Linear(3, 10, 95)):
         t = dim.values()
@@ -88,9 +99,13 @@ def test_bucket_tables_up_to_637k():
                 assert all(v < n for v in t if v < find_bucket(t, n))
     with pytest.raises(ValueError, match="above the largest bucket"):
         find_bucket(cfg.table("decode_bs"), 65)
-    env_cfg = BucketConfig.from_env({"DIST_GLM5_DECODE_BS_BUCKET_MIN": "2",
-                                     "DIST_GLM5_DECODE_BS_BUCKET_STEP": "8",
-                                     "DIST_GLM5_DECODE_BS_BUCKET_MAX": "24"})  # fmt: skip
+    env_cfg = BucketConfig.from_env(
+        {
+            "DIST_GLM5_DECODE_BS_BUCKET_MIN": "2",
+            "DIST_GLM5_DECODE_BS_BUCKET_STEP": "8",
+            "DIST_GLM5_DECODE_BS_BUCKET_MAX": "24",
+        }
+    )
     assert env_cfg.table("decode_bs") == (2, 4, 8, 16, 24)
     with pytest.raises(ValueError, match="set all of"):
         BucketConfig.from_env({"DIST_GLM5_DECODE_BS_BUCKET_MIN": "2"})
@@ -115,8 +130,12 @@ def test_warmup_runs_each_bucket_once_under_compile_only(fake_hf, tmp_path, capl
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 2 and all("over 50% of timeout_locked=150" in w for w in warned)
     names = [r[0] for r in fake_hf.RECORD]
-    one = ["bridge_config.env_setting.enter", "bridge_config.env_setting.exit",
-           "core.mark_step", "hpu.synchronize"]  # fmt: skip
+    one = [
+        "bridge_config.env_setting.enter",
+        "bridge_config.env_setting.exit",
+        "core.mark_step",
+        "hpu.synchronize",
+    ]
     assert names == one * 2
     assert fake_hf.RECORD[0][1] == ("PT_COMPILE_ONLY_MODE", True)
     assert "over 50% of timeout_locked=150" in caplog.text
@@ -135,8 +154,7 @@ def test_launch_hpu_without_the_stack_and_with_the_fake(
 
     for k in ("PT_HPU_LAZY_MODE", "PT_HPU_ENABLE_LAZY_COLLECTIVES"):
         monkeypatch.delenv(k, raising=False)
-    argv = ["launch", command, "--model", str(default_model_dir), "--backend", "hpu",
-            "--ctx", "4k"]  # fmt: skip
+    argv = ["launch", command, "--model", str(default_model_dir), "--backend", "hpu", "--ctx", "4k"]
     hpu_fake.uninstall()
     served = []
     monkeypatch.setattr(serve_cmd, "serve", lambda args, d, cfg: served.append(args) or 0)

@@ -31,8 +31,9 @@ def _spy(log):
         def spy(*a, _orig=orig, _name=name, **k):
             group = k.get("group")
             size = dist.get_world_size(group) if group is not None else dist.get_world_size()
-            log.append({"op": _name, "tag": "tag" in k, "group_size": size,
-                        "device": str(a[0].device)})  # fmt: skip
+            log.append(
+                {"op": _name, "tag": "tag" in k, "group_size": size, "device": str(a[0].device)}
+            )
             return _orig(*a, **k)
 
         setattr(dist, name, spy)
@@ -70,8 +71,18 @@ def _child(rank: int, tmp: str) -> None:
     marks = sum(1 for n, *_ in habana_frameworks.RECORD if n == "core.mark_step")
     pgs = sum(1 for n, *_ in habana_frameworks.RECORD if n == "hccl.process_group")
     with open(f"{tmp}/rank{rank}.json", "w") as f:
-        json.dump({"log": log, "got": got, "sum": s.tolist(), "local": local.tolist(),
-                   "masks": masks.tolist(), "marks": marks, "pgs": pgs}, f)  # fmt: skip
+        json.dump(
+            {
+                "log": log,
+                "got": got,
+                "sum": s.tolist(),
+                "local": local.tolist(),
+                "masks": masks.tolist(),
+                "marks": marks,
+                "pgs": pgs,
+            },
+            f,
+        )
 
 
 def test_two_processes_over_fake_hccl(tmp_path):

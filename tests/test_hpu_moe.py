@@ -46,8 +46,12 @@ def test_mxfp4_call_contract_views_not_copies(fake_hf):
     assert weights.dtype == x.dtype
     flags = dict(block_size=32, permuted_weights=True, activation="silu", is_fp4=True)
     assert kw == dict(**flags, experts_min=E, experts_max=2 * E - 1, chunk_size=0, total_experts=0)
-    for lst, buf, shape in ((l13, w13, (2 * I, H // 2)), (l2, w2, (H, I // 2)),
-                            (ls13, s13, (2 * I, H // 32)), (ls2, s2, (H, I // 32))):  # fmt: skip
+    for lst, buf, shape in (
+        (l13, w13, (2 * I, H // 2)),
+        (l2, w2, (H, I // 2)),
+        (ls13, s13, (2 * I, H // 32)),
+        (ls2, s2, (H, I // 32)),
+    ):
         assert len(lst) == E
         for e, v in enumerate(lst):
             assert v.shape == shape and v.dtype == torch.uint8
@@ -120,8 +124,16 @@ def test_mode_selection_compiled_region_or_direct_call(fake_hf, monkeypatch, laz
 
 
 def _op(x, ids, w, w12, w3, s12, s3, lo, hi, **over):
-    kw = dict(block_size=32, permuted_weights=True, activation="silu", experts_min=lo,
-              experts_max=hi, is_fp4=True, chunk_size=0, total_experts=0)  # fmt: skip
+    kw = dict(
+        block_size=32,
+        permuted_weights=True,
+        activation="silu",
+        experts_min=lo,
+        experts_max=hi,
+        is_fp4=True,
+        chunk_size=0,
+        total_experts=0,
+    )
     kw.update(over)
     return torch.ops.hpu.mixture_of_experts.mxfp4_fused_weights(x, ids, w, w12, w3, s12, s3, **kw)
 
@@ -169,9 +181,11 @@ def test_fake_op_refuses_what_the_real_op_refuses(fake_hf, monkeypatch):
     ids = torch.zeros(T, 1, dtype=torch.int32)
     args = (x, ids, w[:, :1].to(x.dtype), [w13[0]], [w2[0]], [s13[0]], [s2[0]], 0, 0)
     _op(*args)  # lazy mode: a direct call is allowed
-    for over, match in ((dict(block_size=16), "group size is 32"),
-                        (dict(permuted_weights=False), "permuted_weights=True is required"),
-                        (dict(activation="swiglu"), "MoeActivationMode_t")):  # fmt: skip
+    for over, match in (
+        (dict(block_size=16), "group size is 32"),
+        (dict(permuted_weights=False), "permuted_weights=True is required"),
+        (dict(activation="swiglu"), "MoeActivationMode_t"),
+    ):
         with pytest.raises(RuntimeError, match=match):
             _op(*args, **over)
     with pytest.raises(RuntimeError, match=r"packed \(64, 16\)"):

@@ -48,8 +48,14 @@ CTX_BLOCKS = (4, 8, 16, 32)  # context blocks of 16 tokens, up to the 512-token 
 # warm-up: each token bucket at each context bucket that holds it (4 blocks hold 64 tokens)
 WARM = [(t, c) for c in CTX_BLOCKS for t in TOKENS if t <= 16 * c]
 # Gaudi's sparse forms; contexts above 32 keys take the windows' static unions
-DSA = DSAConfig(mode="sparse", prefill_attention="windows", gather_cap_bytes=64 * 1024,
-                dense_threshold=32, window=16, static_union=True)  # fmt: skip
+DSA = DSAConfig(
+    mode="sparse",
+    prefill_attention="windows",
+    gather_cap_bytes=64 * 1024,
+    dense_threshold=32,
+    window=16,
+    static_union=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +101,10 @@ def want(mx_dir):
 
 
 def guard_steps(d: Path) -> dict[str, list[dict]]:
-    return {p.stem: [json.loads(x) for x in p.read_text().splitlines()]
-            for p in sorted(d.glob("guard-*.jsonl"))}  # fmt: skip
+    return {
+        p.stem: [json.loads(x) for x in p.read_text().splitlines()]
+        for p in sorted(d.glob("guard-*.jsonl"))
+    }
 
 
 def check_guard(steps: list[dict]) -> None:
@@ -117,8 +125,11 @@ def check_guard(steps: list[dict]) -> None:
 def test_one_stage_in_process(fake_hf, mx_dir, want, monkeypatch, tmp_path, mtp):
     """With MTP the greedy tokens are the same (drafts verified on the last stage); the MTP
     layer's own rows are not padded (not bucketed yet)."""
-    for k, v in {**BUCKET_ENV, "DIST_GLM5_HPU_DEVICE": "cpu",
-                 "DIST_GLM5_HPU_GUARD": str(tmp_path)}.items():  # fmt: skip
+    for k, v in {
+        **BUCKET_ENV,
+        "DIST_GLM5_HPU_DEVICE": "cpu",
+        "DIST_GLM5_HPU_GUARD": str(tmp_path),
+    }.items():
         monkeypatch.setenv(k, v)
     from dist_glm5.backends.hpu.norm_rope import DeviceRopeTable
     from dist_glm5.backends.hpu.stage import HpuStage
@@ -171,9 +182,14 @@ def test_ray_workers_over_fake_hccl(mx_dir, want, monkeypatch, tmp_path, stages,
         ray.shutdown()
     (tmp_path / "fake").mkdir()
     path = os.pathsep.join(p for p in (hpu_fake.FAKE, os.environ.get("PYTHONPATH")) if p)
-    env = {**BUCKET_ENV, "PYTHONPATH": path, "DIST_GLM5_HPU_DEVICE": "cpu",
-           "DIST_GLM5_HPU_GUARD": str(tmp_path), "FAKE_HABANA_LOG": str(tmp_path / "fake"),
-           "PT_HPU_LAZY_MODE": "1"}  # fmt: skip
+    env = {
+        **BUCKET_ENV,
+        "PYTHONPATH": path,
+        "DIST_GLM5_HPU_DEVICE": "cpu",
+        "DIST_GLM5_HPU_GUARD": str(tmp_path),
+        "FAKE_HABANA_LOG": str(tmp_path / "fake"),
+        "PT_HPU_LAZY_MODE": "1",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     eng = engine(mx_dir, "hpu", stages=stages, tp=tp)
@@ -194,8 +210,10 @@ def test_ray_workers_over_fake_hccl(mx_dir, want, monkeypatch, tmp_path, stages,
     tokens = {tuple(s["tokens"] for s in steps) for steps in guards.values()}
     assert len(tokens) == 1
     # what the fake saw inside the two worker processes
-    logs = [[json.loads(x) for x in p.read_text().splitlines()]
-            for p in (tmp_path / "fake").glob("*.jsonl")]  # fmt: skip
+    logs = [
+        [json.loads(x) for x in p.read_text().splitlines()]
+        for p in (tmp_path / "fake").glob("*.jsonl")
+    ]
     workers = [g for g in logs if any(e["name"] == "hccl.process_group" for e in g)]
     assert len(workers) == 2  # both workers opened "hccl" process groups
     for g in workers:

@@ -30,8 +30,9 @@ from dist_glm5.ops import reference_ops
 
 log = logging.getLogger(__name__)
 fake_hf = hpu_fake.fake_hf
-BUCKETS = BucketConfig(block_size=16, max_model_len=256, prompt_query=Linear(16, 16, 128),
-                       decode_bs=Linear(1, 2, 4))  # fmt: skip
+BUCKETS = BucketConfig(
+    block_size=16, max_model_len=256, prompt_query=Linear(16, 16, 128), decode_bs=Linear(1, 2, 4)
+)
 PROMPT = 80  # a prefill bucket, above index_topk (64): selection is exercised
 CAP = 32 * 1024  # small: the sparse paths split their gathers into several capped chunks
 # where the guard finds what a Gaudi graph cannot take today. Made graph-safe since: mla.py's
@@ -131,15 +132,24 @@ def test_static_union_equals_the_exact_union(mx_dir):
     """The windows' unions with static sizes give the exact union's result (CPU reference ops);
     the exact one reads the union's size back (the guard's `nonzero`, PENDING), the static one
     does not."""
-    cfg = DSAConfig(mode="sparse", prefill_attention="windows", dense_threshold=16, window=8,
-                    gather_cap_bytes=CAP)  # fmt: skip
+    cfg = DSAConfig(
+        mode="sparse",
+        prefill_attention="windows",
+        dense_threshold=16,
+        window=8,
+        gather_cap_bytes=CAP,
+    )
     outs = {}
     for static in (False, True):
         model = load_model(mx_dir, ops=reference_ops())
         model.set_dsa(DSAConfig(**{**cfg.__dict__, "static_union": static}))
         outs[static], guards = run_steps(model, CAP)
-        union = [v for g in guards for v in g.violations
-                 if "nonzero" in v.op and v.where.startswith("dist_glm5/model/dsa.py")]  # fmt: skip
+        union = [
+            v
+            for g in guards
+            for v in g.violations
+            if "nonzero" in v.op and v.where.startswith("dist_glm5/model/dsa.py")
+        ]
         assert bool(union) != static
     for a, b in zip(outs[True], outs[False]):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
@@ -162,8 +172,13 @@ def test_static_union_gathers_the_union_with_static_sizes():
         keep[i, torch.randperm(L - n, generator=g)[: k - 1]] = True
         keep[i, L - n + i] = True
     for window in (4, 12):  # 4 x 8 = 32 keys: the union; 12 x 8 = 96 > 0.1 L: dense
-        cfg = DSAConfig(mode="sparse", prefill_attention="windows", dense_threshold=0,
-                        window=window, union_max_frac=0.1)  # fmt: skip
+        cfg = DSAConfig(
+            mode="sparse",
+            prefill_attention="windows",
+            dense_threshold=0,
+            window=window,
+            union_max_frac=0.1,
+        )
         want = D.sparse_prefill(q_lat, q_rot, store, keys, keep, c, 0.1, cfg, topk=k)
         static = DSAConfig(**{**cfg.__dict__, "static_union": True})
         guard = StepGuard()

@@ -24,8 +24,10 @@ from dist_glm5.ops.experts import experts_mxfp4_reference
 
 torch.set_num_threads(1)
 
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float64)
+E2M1 = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=torch.float64,
+)
 ISAS = ("scalar", "avx2", "avx512")
 
 
@@ -60,7 +62,7 @@ def make_experts(E, H, I, seed=0, lo=120, hi=131, edge=True):
             flat = s.view(-1)
             where = torch.randint(0, flat.numel(), (max(3, flat.numel() // 20),), generator=g)
             edge_bytes = torch.tensor([0, 1, 127], dtype=torch.uint8).repeat(len(where))
-            flat[where] = edge_bytes[:len(where)]
+            flat[where] = edge_bytes[: len(where)]
     return w13, s13, w2, s2
 
 
@@ -140,8 +142,7 @@ def test_edge_scale_bytes(isa, byte):
     ids, tw = routes(T, 2, 0, E - 1)
     want = oracle_moe(x, ids, tw, w13, s13, w2, s2, 0, E - 1)
     for thr in (1 << 30, 1):
-        assert_close(K.moe_mxfp4(x, ids, tw, w13, s13, w2, s2, 0, E - 1, gemm_min_routes=thr),
-                     want)
+        assert_close(K.moe_mxfp4(x, ids, tw, w13, s13, w2, s2, 0, E - 1, gemm_min_routes=thr), want)
 
 
 def test_nan_scale_byte_gives_nan_like_the_reference(isa):
@@ -164,8 +165,9 @@ def test_expert_parallel_slices_sum_to_the_full_layer(kernel):
     x = torch.randn(T, H)
     ids, tw = routes(T, k, 0, E - 1, seed=3)
     full = K.moe_mxfp4(x, ids, tw, *w, 0, E - 1)
-    parts = [K.moe_mxfp4(x, ids, tw, *(t[lo:hi + 1] for t in w), lo, hi)
-             for lo, hi in ((0, 2), (3, 7))]
+    parts = [
+        K.moe_mxfp4(x, ids, tw, *(t[lo : hi + 1] for t in w), lo, hi) for lo, hi in ((0, 2), (3, 7))
+    ]
     assert_close(parts[0] + parts[1], full)
     assert_close(full, oracle_moe(x, ids, tw, *w, 0, E - 1))
 
@@ -192,8 +194,10 @@ def test_bf16_input_and_loose_dtypes(isa):
     x = torch.randn(T, H).to(torch.bfloat16)
     ids, tw = routes(T, k, 0, E - 1, seed=7)
     tw16 = tw.to(torch.bfloat16)  # router weights may come in any float dtype
-    for got, weights in ((K.moe_mxfp4(x, ids.long(), tw16, *w, 0, E - 1), tw16.float()),
-                         (K.moe_mxfp4(x, ids, tw, *w, 0, E - 1, gemm_min_routes=1), tw)):
+    for got, weights in (
+        (K.moe_mxfp4(x, ids.long(), tw16, *w, 0, E - 1), tw16.float()),
+        (K.moe_mxfp4(x, ids, tw, *w, 0, E - 1, gemm_min_routes=1), tw),
+    ):
         want = oracle_moe(x.float(), ids, weights, *w, 0, E - 1)
         assert got.dtype == torch.bfloat16
         # each output is rounded once to bf16 (8 significant bits)
@@ -210,8 +214,9 @@ def test_decode_matches_oracle_bit_for_bit(isa):
     scales = torch.randint(0, 256, (7, 5), dtype=torch.uint8, generator=g)
     scales[0, :4] = torch.tensor([0, 1, 254, 255], dtype=torch.uint8)
     got = K.decode(packed, scales)
-    torch.testing.assert_close(got, oracle_decode(packed, scales).float(), rtol=0, atol=0,
-                               equal_nan=True)
+    torch.testing.assert_close(
+        got, oracle_decode(packed, scales).float(), rtol=0, atol=0, equal_nan=True
+    )
 
 
 def test_bad_shapes_are_refused(kernel):
@@ -262,6 +267,7 @@ def test_disabled_kernel_falls_back_to_the_reference():
         print("fallback ok")
     """)
     env = dict(os.environ, DIST_GLM5_KERNELS="0")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0 and "fallback ok" in r.stdout, r.stderr

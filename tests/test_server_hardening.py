@@ -147,8 +147,10 @@ def test_a_kept_alive_connection_is_closed_after_its_idle_timeout(server):
 
 def test_a_stalled_body_is_a_408_and_a_large_one_a_413_in_openais_shape(server):
     s = socket.create_connection(_addr(server))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # fmt: skip
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"prompt": '
+    )
     data, _ = _read_all(s, LIMITS.body_timeout + 5)
     s.close()
     status, err = _error(data)
@@ -222,10 +224,12 @@ def test_poison_requests_leave_an_innocent_stream_exact(server):
     poison = [
         ({"prompt": "hi", "bad_words": [f"w{i}" for i in range(40_000)]}, 400),
         ({"prompt": [65] * 2000, "max_tokens": 1, "prompt_logprobs": 20}, 200),
-        ({"prompt": [66] * 2000, "max_tokens": 1, "echo": True, "logprobs": 5, "stream": True},
-         200),
+        (
+            {"prompt": [66] * 2000, "max_tokens": 1, "echo": True, "logprobs": 5, "stream": True},
+            200,
+        ),
         ({"prompt": "y" * (LIMITS.max_prompt_chars - 10), "max_tokens": 1}, 400),  # > context
-    ]  # fmt: skip
+    ]
     client = httpx.Client(base_url=server.url, timeout=120)
     solo, _ = _stream(client, {}, "def parse_args(argv):", 24)
     with HealthPoller(server.url) as poller:

@@ -42,9 +42,14 @@ ROWS = [
     SP(max_tokens=6, logit_bias={65: 8.0}, ignore_eos=True),
     SP(max_tokens=6, min_tokens=4, logit_bias={EOS: 6.0}),
     SP(max_tokens=6, bad_words=((32,), (10, 10)), ignore_eos=True),
-    SP(max_tokens=6, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3,
-       ignore_eos=True),
-]  # fmt: skip
+    SP(
+        max_tokens=6,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        repetition_penalty=1.3,
+        ignore_eos=True,
+    ),
+]
 GRAMMAR_ROWS = (0, 1)
 
 
@@ -144,9 +149,12 @@ def test_stop_strings_kept_on_request_and_special_tokens_shown(default_model_dir
     text = c.run([P[3]], [free])[0].text
     stop = text[2:4]
     cut, kept = c.run(
-        [P[3], P[3]], [SP(max_tokens=6, ignore_eos=True, stop=[stop], include_stop_str_in_output=x)
-                       for x in (False, True)]
-    )  # fmt: skip
+        [P[3], P[3]],
+        [
+            SP(max_tokens=6, ignore_eos=True, stop=[stop], include_stop_str_in_output=x)
+            for x in (False, True)
+        ],
+    )
     assert cut.text == text[:2] and kept.text == text[:4]
     # the stop token's text is not in the output (as vLLM), unless asked for
     bos = SP(max_tokens=3, logit_bias={256: 100.0}, ignore_eos=True)

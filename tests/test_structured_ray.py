@@ -63,15 +63,24 @@ def runs(cluster, default_model_dir):
             mtp=mtp,
             threads=1,  # torch's default threads per actor oversubscribe 2 cores (20x slower)
         )
-        c = Coordinator(RayPipeline(engine), engine.scheduler, cfg.eos_token_id, cfg.vocab_size,
-                        step_timeout=120)  # fmt: skip
+        c = Coordinator(
+            RayPipeline(engine),
+            engine.scheduler,
+            cfg.eos_token_id,
+            cfg.vocab_size,
+            step_timeout=120,
+        )
         try:
             assert len(set(c.pipeline.node_of_stage.values())) == 2  # one stage per node
             params = [
-                SamplingParams(max_tokens=400, grammar=GrammarSpec.json_schema(SCHEMAS[i]),
-                               temperature=0.0 if greedy else 1.0, seed=i)
+                SamplingParams(
+                    max_tokens=400,
+                    grammar=GrammarSpec.json_schema(SCHEMAS[i]),
+                    temperature=0.0 if greedy else 1.0,
+                    seed=i,
+                )
                 for i, greedy in ROWS
-            ]  # fmt: skip
+            ]
             seqs = c.run([PROMPTS[i] for i, _ in ROWS], params)
             out[mtp] = ([(i, g, s) for (i, g), s in zip(ROWS, seqs)], c.stats.drafts_accepted)
         finally:

@@ -39,8 +39,12 @@ def test_one_call_values_typed_by_schema():
     assert content == "Let me check."
     assert [c["function"]["name"] for c in calls] == ["get_weather"]
     # "123" stays a string where the schema says string; 3 is an integer
-    assert args(calls[0]) == {"city": "Paris", "days": 3, "opts": {"unit": "C", "n": [1, 2]},
-                              "code": "123"}  # fmt: skip
+    assert args(calls[0]) == {
+        "city": "Paris",
+        "days": 3,
+        "opts": {"unit": "C", "n": [1, 2]},
+        "code": "123",
+    }
     assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
 
 

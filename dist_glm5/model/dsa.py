@@ -169,8 +169,17 @@ def sparse_prefill(
             )
             continue
         if cfg.static_union and topk is not None:
-            out[a:b] = _static_union(q_lat[a:b], q_rot[a:b], kv_store, keys, win, kv_lora,
-                                     scale, cfg, min(L, (b - a) * topk))  # fmt: skip
+            out[a:b] = _static_union(
+                q_lat[a:b],
+                q_rot[a:b],
+                kv_store,
+                keys,
+                win,
+                kv_lora,
+                scale,
+                cfg,
+                min(L, (b - a) * topk),
+            )
             continue
         union = win.any(0).nonzero().squeeze(1)  # [U] key indices, ascending
         if union.numel() > cfg.union_max_frac * L:
@@ -206,9 +215,15 @@ def _static_union(q_lat, q_rot, kv_store, keys, win, kv_lora, scale, cfg, size: 
     valid = order < L
     idx = torch.where(valid, order, order[:1])
     return attend_absorbed_chunked(
-        q_lat, q_rot, kv_store, keys.at(idx), win[:, idx] & valid, kv_lora, scale,
+        q_lat,
+        q_rot,
+        kv_store,
+        keys.at(idx),
+        win[:, idx] & valid,
+        kv_lora,
+        scale,
         cfg.gather_cap_bytes,
-    )  # fmt: skip
+    )
 
 
 def gather_plan(

@@ -83,8 +83,9 @@ def build_app(
     )
     errors.install(app)
     # innermost first: the key is checked before a byte of the body is read
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes,
-                       body_timeout=limits.body_timeout)  # fmt: skip
+    app.add_middleware(
+        BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes, body_timeout=limits.body_timeout
+    )
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestIdMiddleware)  # outermost: a 401 carries the id too
     metrics = registry(engine.metrics, lag)
@@ -111,17 +112,21 @@ def build_app(
         return card()
 
     @api.post(
-        "/v1/completions", response_model=CompletionResponse, responses={200: _SSE},
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={200: _SSE},
         openapi_extra=_body(CompletionRequest),
-    )  # fmt: skip
+    )
     async def completions(request: Request):
         body = await serving.off_loop(parse_body, await request.body(), CompletionRequest, limits)
         return await serving.complete(request, body)
 
     @api.post(
-        "/v1/chat/completions", response_model=ChatCompletionResponse, responses={200: _SSE},
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={200: _SSE},
         openapi_extra=_body(ChatCompletionRequest),
-    )  # fmt: skip
+    )
     async def chat_completions(request: Request):
         raw = await request.body()
         body = await serving.off_loop(parse_body, raw, ChatCompletionRequest, limits)
@@ -133,9 +138,10 @@ def build_app(
         return await serving.off_loop(_json, tokenize_body, model, limits, await request.body())
 
     @api.post(
-        "/v1/detokenize", response_model=DetokenizeResponse,
+        "/v1/detokenize",
+        response_model=DetokenizeResponse,
         openapi_extra=_body(DetokenizeRequest),
-    )  # fmt: skip
+    )
     @api.post("/detokenize", response_model=DetokenizeResponse, include_in_schema=False)
     async def detokenize(request: Request):
         return await serving.off_loop(_json, detokenize_body, model, await request.body())
@@ -193,10 +199,16 @@ def tokenize_body(model: ModelInfo, limits: Limits, raw: bytes) -> dict:
     strs = None
     if body.return_token_strs:
         texts: dict[int, str] = {}  # token id -> text, each id decoded once
-        strs = [texts.get(t) or texts.setdefault(t, tok.decode([t], skip_special_tokens=False))
-                for t in ids]  # fmt: skip
-    return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids,
-            "token_strs": strs}  # fmt: skip
+        strs = [
+            texts.get(t) or texts.setdefault(t, tok.decode([t], skip_special_tokens=False))
+            for t in ids
+        ]
+    return {
+        "count": len(ids),
+        "max_model_len": model.max_model_len,
+        "tokens": ids,
+        "token_strs": strs,
+    }
 
 
 def detokenize_body(model: ModelInfo, raw: bytes) -> dict:

@@ -156,8 +156,12 @@ def chat_request(
     limits.check("messages", len(req.messages), "max_messages")
     limits.check("tools", len(req.tools or ()), "max_tools")
     if req.n > limits.max_choices:
-        raise ApiError(400, f"n={req.n} is more than {limits.max_choices} choices in one request "
-                       "(--max-choices)", "n", "limit_exceeded")  # fmt: skip
+        raise ApiError(
+            400,
+            f"n={req.n} is more than {limits.max_choices} choices in one request (--max-choices)",
+            "n",
+            "limit_exceeded",
+        )
     tools, grammar = _tools(req, m)
     text = render_chat(m, req.messages, req.tools, req)
     _check_chars(text, limits, "messages", "messages (rendered by the chat template)")
@@ -228,9 +232,10 @@ def _tools(req: ChatCompletionRequest, m: ModelInfo) -> tuple[dict | None, Gramm
     else:
         if choice.function.name not in funcs:
             raise ApiError(
-                400, f"tool_choice names {choice.function.name!r}, which is not in tools",
+                400,
+                f"tool_choice names {choice.function.name!r}, which is not in tools",
                 "tool_choice",
-            )  # fmt: skip
+            )
         named, most = [choice.function.name], 1  # as OpenAI and vLLM: exactly one call of it
     return funcs, tool_grammar(req.tools, named, most, m.tokenizer)
 
@@ -238,11 +243,17 @@ def _tools(req: ChatCompletionRequest, m: ModelInfo) -> tuple[dict | None, Gramm
 def _grammar(req: Request, m: ModelInfo) -> GrammarSpec | None:
     """response_format, or one of vLLM's guided_* fields, as a grammar (at most one)."""
     given = [
-        k for k in ("response_format", "guided_json", "guided_regex", "guided_choice",
-                    "guided_grammar")
+        k
+        for k in (
+            "response_format",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+        )
         if getattr(req, k) is not None
         and not (k == "response_format" and req.response_format.type == "text")
-    ]  # fmt: skip
+    ]
     if not given:
         return None
     if len(given) > 1:

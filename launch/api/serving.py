@@ -176,8 +176,12 @@ class Serving:
     async def _answer(self, request: Request, er: EngineRequest, shape: _Shape):
         health = self.engine.health()
         if health.status in ("restarting", "dead"):  # told at once, not after the restart
-            raise ApiError(503, f"the engine cannot serve now ({public(health.detail)}); retry "
-                           "later", None, "engine_unavailable")  # fmt: skip
+            raise ApiError(
+                503,
+                f"the engine cannot serve now ({public(health.detail)}); retry later",
+                None,
+                "engine_unavailable",
+            )
         choices = er.choices()
         one = len(choices) == 1
         streams = [self._outputs(c, shape.id if one else f"{shape.id}-{c.index}") for c in choices]
@@ -200,8 +204,9 @@ class Serving:
         firsts: list[Output],
         streams: list[AsyncIterator[Output]],
     ) -> AsyncIterator[bytes]:
-        states = [ChoiceStream(c, tools=ToolCallStream(er.tools) if er.tools else None)
-                  for c in choices]  # fmt: skip
+        states = [
+            ChoiceStream(c, tools=ToolCallStream(er.tools) if er.tools else None) for c in choices
+        ]
         queue: asyncio.Queue = asyncio.Queue()
         pumps = [
             asyncio.ensure_future(_pump(i, f, s, queue))
@@ -383,9 +388,12 @@ class _Shape:
                 }
                 entry.setdefault(
                     str(x["token"]),
-                    {"logprob": x["logprob"], "rank": x.get("rank"),
-                     "decoded_token": self.tok(x["token"])},
-                )  # fmt: skip
+                    {
+                        "logprob": x["logprob"],
+                        "rank": x.get("rank"),
+                        "decoded_token": self.tok(x["token"]),
+                    },
+                )
                 block.append(entry)
             parts.append(orjson.dumps(block)[1:-1])
         return orjson.Fragment(b"[" + b",".join(p for p in parts if p) + b"]")
@@ -504,8 +512,10 @@ class _ChatShape(_Shape):
     prefix = "chatcmpl-"
 
     def opening(self, choices: list[Choice]) -> list:
-        first = [ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content=""))
-                 for c in choices]  # fmt: skip
+        first = [
+            ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content=""))
+            for c in choices
+        ]
         return [self._chunk(first)]
 
     def chunks(self, st: ChoiceStream, out: Output, usage: Usage | None) -> list:
@@ -570,9 +580,10 @@ class _ChatShape(_Shape):
                 content, calls = parse_tool_calls(g.text, er.tools)
             message = AssistantMessage(
                 content=None if calls and not content else content,
-                tool_calls=[ToolCallOut(**{k: v for k, v in x.items() if k != "index"})
-                            for x in calls],
-            )  # fmt: skip
+                tool_calls=[
+                    ToolCallOut(**{k: v for k, v in x.items() if k != "index"}) for x in calls
+                ],
+            )
             lp = self._logprobs(g.seq.logprobs) if er.logprobs is not None else None
             reason = self._reason(g.finish_reason, bool(calls))
             out.append(

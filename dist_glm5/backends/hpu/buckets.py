@@ -97,8 +97,13 @@ class BucketConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **kw) -> "BucketConfig":
         environ = os.environ if environ is None else environ
-        for phase, dim in (("PROMPT", "BS"), ("PROMPT", "QUERY"), ("PROMPT", "CTX"),
-                           ("DECODE", "BS"), ("DECODE", "CTX")):  # fmt: skip
+        for phase, dim in (
+            ("PROMPT", "BS"),
+            ("PROMPT", "QUERY"),
+            ("PROMPT", "CTX"),
+            ("DECODE", "BS"),
+            ("DECODE", "CTX"),
+        ):
             names = [f"DIST_GLM5_{phase}_{dim}_BUCKET_{p}" for p in ("MIN", "STEP", "MAX")]
             given = [environ.get(n) for n in names]
             if any(g is not None for g in given):

@@ -68,9 +68,20 @@ def _site() -> str:
     return "outside dist_glm5"
 
 
-_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.tensor,
-              torch.as_tensor, torch.eye, torch.linspace, torch.rand, torch.randn,
-              torch.randint}  # fmt: skip
+_FACTORIES = {
+    torch.empty,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.arange,
+    torch.tensor,
+    torch.as_tensor,
+    torch.eye,
+    torch.linspace,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+}
 
 
 class _HostFactories(TorchFunctionMode):

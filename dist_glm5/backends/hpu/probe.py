@@ -74,8 +74,10 @@ def sdpa(device, n=512, L=8192, h=16):
 
     g = torch.Generator().manual_seed(0)
     bf = torch.bfloat16
-    args = [torch.randn(*s, generator=g).to(bf) for s in
-            ((1, n, h, 192), (1, n, h, 64), (1, L, 512), (1, L, 64), (h * 448, 512))]  # fmt: skip
+    args = [
+        torch.randn(*s, generator=g).to(bf)
+        for s in ((1, n, h, 192), (1, n, h, 64), (1, L, 512), (1, L, 64), (h * 448, 512))
+    ]
     keep = torch.ones(1, n, L, dtype=torch.bool).tril(L - n)
     want = mla_expanded(*[a.float() for a in args], keep, 256**-0.5, 192)
     dev = [a.to(device) for a in args] + [keep.to(device), 256**-0.5, 192]
@@ -101,8 +103,12 @@ def hccl(device, steps=100, shape=(8192, 6144)):
         if rank < world - 1:
             c.send_hidden(torch.full(shape, float(step % 256), dtype=torch.bfloat16), step)
     c.close()
-    return {"rank": rank, "steps": steps, "ordered_and_intact": ok,
-            "seconds": time.perf_counter() - t0}  # fmt: skip
+    return {
+        "rank": rank,
+        "steps": steps,
+        "ordered_and_intact": ok,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def timer(device):
@@ -126,9 +132,12 @@ def topk(device, L=652_288, k=2048, rows=4):
     keep = above | (tie & (tie.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
     got, sec = _timed(lambda: indexer.select_topk(sd, q_pos.to(device), k), device)
     _, sec_topk = _timed(lambda: torch.topk(sd, k, dim=-1, sorted=False), device)
-    return {"topk_exact": bool(torch.equal(keep.cpu(), want)),
-            "bisection_exact": bool(torch.equal(got.cpu(), want)),
-            "ms_bisection": 1e3 * sec, "ms_topk": 1e3 * sec_topk}  # fmt: skip
+    return {
+        "topk_exact": bool(torch.equal(keep.cpu(), want)),
+        "bisection_exact": bool(torch.equal(got.cpu(), want)),
+        "ms_bisection": 1e3 * sec,
+        "ms_topk": 1e3 * sec_topk,
+    }
 
 
 def rmsnorm(device, D=6144, T=4096):
@@ -147,8 +156,11 @@ def rmsnorm(device, D=6144, T=4096):
     def differ(a):
         return int((a.view(torch.int16) != want.view(torch.int16)).sum())
 
-    return {"reference_order_bits_differ": differ(ours), "fused_weight_bits_differ": differ(fused),
-            "elements": want.numel()}  # fmt: skip
+    return {
+        "reference_order_bits_differ": differ(ours),
+        "fused_weight_bits_differ": differ(fused),
+        "elements": want.numel(),
+    }
 
 
 def tpc(device, R=64, K=6144):

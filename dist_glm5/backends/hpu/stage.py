@@ -105,8 +105,15 @@ class HpuStage:
     def new_cache(self, cfg, layers: list[int], dtype: torch.dtype) -> PagedKVCache:
         """The stage's paged cache on the device: the scheduler's blocks, then the scratch blocks
         the padding writes to."""
-        cache = PagedKVCache(cfg, layers, self.blocks + self.scratch, self.block_size,
-                             dtype=dtype, allocate=False, device=self.device)  # fmt: skip
+        cache = PagedKVCache(
+            cfg,
+            layers,
+            self.blocks + self.scratch,
+            self.block_size,
+            dtype=dtype,
+            allocate=False,
+            device=self.device,
+        )
         cache.assign(PAD_SEQ, list(range(self.blocks, self.blocks + self.scratch)))
         # zeros, not empty: a padded context reads slots no token wrote (masked, but 0 x NaN is NaN)
         for t in _storage(cache):
@@ -125,13 +132,23 @@ class HpuStage:
         dev = self.device
         keys = {id(k): self.pad_context(k, dev) for k in batch.keys}
         groups = [
-            replace(g, tok=g.tok.to(dev), valid=g.valid.to(dev), q_pos=g.q_pos.to(dev),
-                    real=g.real.to(dev), keys=[keys[id(k)] for k in g.keys])  # fmt: skip
+            replace(
+                g,
+                tok=g.tok.to(dev),
+                valid=g.valid.to(dev),
+                q_pos=g.q_pos.to(dev),
+                real=g.real.to(dev),
+                keys=[keys[id(k)] for k in g.keys],
+            )
             for g in batch.groups
         ]
-        return replace(batch, positions=batch.positions.to(dev),
-                       write_slots=batch.write_slots.to(dev),
-                       keys=[keys[id(k)] for k in batch.keys], groups=groups)  # fmt: skip
+        return replace(
+            batch,
+            positions=batch.positions.to(dev),
+            write_slots=batch.write_slots.to(dev),
+            keys=[keys[id(k)] for k in batch.keys],
+            groups=groups,
+        )
 
     def pad_context(self, keys: KeySlots, device) -> KeySlots:
         """A sequence's keys 0..L-1 as keys 0..C-1, C a context bucket (whole blocks): positions
@@ -182,13 +199,23 @@ class HpuStage:
         self.guard_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.guard_file, "a") as f:
             found = [asdict(v) for v in guard.violations]
-            rec = {"step": self.steps, "what": what, "tokens": args[-2].num_tokens,
-                   "keys": sorted({len(k) for k in args[-2].keys}), "ops": guard.ops,
-                   "violations": found}  # fmt: skip
+            rec = {
+                "step": self.steps,
+                "what": what,
+                "tokens": args[-2].num_tokens,
+                "keys": sorted({len(k) for k in args[-2].keys}),
+                "ops": guard.ops,
+                "violations": found,
+            }
             f.write(json.dumps(rec) + "\n")
         if guard.violations:
-            log.warning("%s: step %d: %d guard finding(s), first %s", self.name, self.steps,
-                        len(guard.violations), guard.violations[0])  # fmt: skip
+            log.warning(
+                "%s: step %d: %d guard finding(s), first %s",
+                self.name,
+                self.steps,
+                len(guard.violations),
+                guard.violations[0],
+            )
         return out
 
     # ---- warm-up ---------------------------------------------------------------------------
@@ -224,6 +251,10 @@ class HpuStage:
             cache.release(WARM_SEQ)
             for t in _storage(cache):
                 t.zero_()
-        log.info("%s: warm-up of %d (tokens, context blocks) buckets in %.1f s", self.name,
-                 len(times), sum(t.seconds for t in times))  # fmt: skip
+        log.info(
+            "%s: warm-up of %d (tokens, context blocks) buckets in %.1f s",
+            self.name,
+            len(times),
+            sum(t.seconds for t in times),
+        )
         return times

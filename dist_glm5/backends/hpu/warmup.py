@@ -63,6 +63,9 @@ def warmup(
         if timeout_s and dt > margin * timeout_s:
             log.warning(
                 "bucket %s took %.0f s to compile, over %.0f%% of timeout_locked=%d s",
-                b, dt, 100 * margin, timeout_s,
-            )  # fmt: skip
+                b,
+                dt,
+                100 * margin,
+                timeout_s,
+            )
     return out
