@@ -53,10 +53,6 @@ def server(default_model_dir):
     srv = HttpServer(build_app(client, model, KEY), ServerSettings(port=0)).start()
     srv.handles = handles
     srv.loop = loop
-    for _ in range(100):
-        if srv.server.started:
-            break
-        time.sleep(0.05)
     yield srv
     srv.stop()
     client.close()

@@ -8,7 +8,6 @@ X-Request-Id. Streams are checked to reassemble to the non-streamed answer."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import jsonschema
@@ -38,10 +37,6 @@ def server(default_model_dir):
     vocab = ModelConfig.from_hf(default_model_dir).vocab_size
     model = ModelInfo.from_model_dir(default_model_dir, MODEL, 2048, vocab, c.tokenizer)
     srv = HttpServer(build_app(client, model), ServerSettings(port=0)).start()
-    for _ in range(200):
-        if srv.server.started:
-            break
-        time.sleep(0.05)
     yield srv
     srv.stop()
     client.close()

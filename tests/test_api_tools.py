@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -140,10 +139,6 @@ def start_server(loop, model_info):
 
     client = EngineClient(loop)
     srv = HttpServer(build_app(client, model_info), ServerSettings(port=0)).start()
-    for _ in range(200):
-        if srv.server.started:
-            break
-        time.sleep(0.05)
     srv.client = client
     return srv
 

@@ -51,10 +51,6 @@ def server(default_model_dir):
     model = ModelInfo.from_model_dir(default_model_dir, "glm5-tiny", CTX, vocab, c.tokenizer)
     settings = ServerSettings(port=0, limits=LIMITS)
     srv = HttpServer(build_app(client, model, limits=LIMITS), settings).start()
-    for _ in range(100):
-        if srv.server.started:
-            break
-        time.sleep(0.05)
     yield srv
     srv.stop()
     client.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -72,9 +73,15 @@ class HttpServer:
     def run(self) -> None:
         self.server.run(sockets=[self.sock])
 
-    def start(self) -> HttpServer:
+    def start(self, timeout: float = 10.0) -> HttpServer:
+        """Serve from a background thread; returns once uvicorn has started (its lifespan ran)."""
         self.thread = threading.Thread(target=self.run, name="http", daemon=True)
         self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server on {self.url} did not start")
+            time.sleep(0.01)
         return self
 
     def stop(self) -> None:
