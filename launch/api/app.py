@@ -33,7 +33,7 @@ from . import errors
 from .auth import ApiKeyMiddleware, bearer
 from .body import BodyLimitMiddleware
 from .engine_client import EngineClient
-from .engine_request import ModelInfo, render_chat
+from .engine_request import ModelInfo, check_chars, render_chat
 from .errors import ApiError
 from .limits import DEFAULT_LIMITS, Limits
 from .loop_lag import LoopLag
@@ -187,14 +187,7 @@ def tokenize_body(model: ModelInfo, limits: Limits, raw: bytes) -> dict:
         text = render_chat(model, body.messages, body.tools, body)
     else:
         text = body.prompt
-    if len(text) > limits.max_prompt_chars:
-        raise ApiError(
-            400,
-            f"the text has {len(text)} characters; this server tokenizes at most "
-            f"{limits.max_prompt_chars} (--max-prompt-chars)",
-            "messages" if body.messages is not None else "prompt",
-            "limit_exceeded",
-        )
+    check_chars(text, limits, "messages" if body.messages is not None else "prompt", "the text")
     ids = tok.encode(text)
     strs = None
     if body.return_token_strs:

@@ -120,7 +120,7 @@ def completion_request(
     for i, p in enumerate(batch):
         where = "prompt" if len(batch) == 1 else f"prompt.{i}"
         if isinstance(p, str):
-            _check_chars(p, limits, "prompt", where)
+            check_chars(p, limits, "prompt", where)
             ids = _encode(m, p, "prompt", where)
         else:
             ids = list(p)
@@ -139,7 +139,6 @@ def completion_request(
         prompts,
         req.max_tokens,
         req.logprobs,
-        limits,
         prompt_logprobs=want_plp,
         echo=texts if req.echo else None,
     )
@@ -153,8 +152,6 @@ def chat_request(
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     if m.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids")
-    limits.check("messages", len(req.messages), "max_messages")
-    limits.check("tools", len(req.tools or ()), "max_tools")
     if req.n > limits.max_choices:
         raise ApiError(
             400,
@@ -164,16 +161,14 @@ def chat_request(
         )
     tools, grammar = _tools(req, m)
     text = render_chat(m, req.messages, req.tools, req)
-    _check_chars(text, limits, "messages", "messages (rendered by the chat template)")
+    check_chars(text, limits, "messages", "messages (rendered by the chat template)")
     ids = _encode(m, text, "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _engine_request(
-        req, m, [ids], max_tokens, logprobs, limits, tools=tools, tool_grammar=grammar
-    )
+    return _engine_request(req, m, [ids], max_tokens, logprobs, tools=tools, tool_grammar=grammar)
 
 
-def _check_chars(text: str, limits: Limits, param: str, where: str) -> None:
+def check_chars(text: str, limits: Limits, param: str, where: str) -> None:
     """Before tokenising: a text this long costs seconds to encode and cannot fit anyway."""
     if len(text) > limits.max_prompt_chars:
         raise ApiError(
@@ -312,7 +307,6 @@ def _engine_request(
     prompts: list[list[int]],
     max_tokens: int | None,
     logprobs: int | None,
-    limits: Limits,
     prompt_logprobs: int | None = None,
     echo: list[str] | None = None,
     tools: dict | None = None,
@@ -334,17 +328,12 @@ def _engine_request(
         raise ApiError(
             400, f"min_tokens={req.min_tokens} is more than max_tokens={max_tokens}", "min_tokens"
         )
-    # every list is bounded before anything walks it (each limit names its flag)
-    limits.check("stop", 1 if isinstance(req.stop, str) else len(req.stop or ()), "max_stop")
+    # list lengths were counted against their limits before validation (serving.parse_body)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(dict.fromkeys(req.stop or ()))
     if stop and m.tokenizer is None:
         raise ApiError(400, "stop strings need a tokenizer; use stop_token_ids", "stop")
-    limits.check("stop_token_ids", len(req.stop_token_ids or ()), "max_stop_token_ids")
     stop_ids = tuple(dict.fromkeys(req.stop_token_ids or ()))
     _check_ids(stop_ids, m, "stop_token_ids")
-    limits.check("bad_words", len(req.bad_words or ()), "max_bad_words")
-    limits.check("logit_bias", len(req.logit_bias or ()), "max_logit_bias")
-    limits.check("guided_choice", len(req.guided_choice or ()), "max_guided_choice")
     bad_words = _bad_words(req.bad_words, m)
     grammar = _grammar(req, m)
     if grammar is not None and tool_grammar is not None:
