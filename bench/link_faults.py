@@ -56,7 +56,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import netns
+from . import netns, serve
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +146,9 @@ def server_command(t: netns.Topology, args: argparse.Namespace, flags: set[str])
     return cmd + args.server_args.split()
 
 
-class Server:
-    """`launch two-node` in the head namespace; its stderr kept in a file for the placement."""
+class Server(serve.Server):
+    """`launch two-node` in the head namespace; its stderr kept in a file for the placement (its
+    own start: a timeout and the namespace; bench serve's close)."""
 
     def __init__(self, t: netns.Topology, cmd: list[str], log_path: Path, timeout: float = 300):
         self.log_path = log_path
@@ -177,12 +178,7 @@ class Server:
         return out
 
     def close(self) -> None:
-        self.p.terminate()
-        try:
-            self.p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
+        super().close()  # terminate, then kill after 30 s
         self.err.close()
 
 
