@@ -20,7 +20,6 @@ import uuid
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
-import orjson
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
@@ -53,7 +52,7 @@ from .protocol import (
     TokenizeResponse,
     Version,
 )
-from .serving import Serving, parse_body
+from .serving import Serving, parse_body, render_json
 
 _ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 408, 413, 500)}
 _SSE = {"content": {"text/event-stream": {"description": "`stream: true`: chunks, then [DONE]"}}}
@@ -135,7 +134,8 @@ def build_app(
     @api.post("/v1/tokenize", response_model=TokenizeResponse, openapi_extra=_body(TokenizeRequest))
     @api.post("/tokenize", response_model=TokenizeResponse, include_in_schema=False)
     async def tokenize(request: Request):
-        return await serving.off_loop(_json, tokenize_body, model, limits, await request.body())
+        raw = await request.body()
+        return await serving.off_loop(render_json, tokenize_body, model, limits, raw)
 
     @api.post(
         "/v1/detokenize",
@@ -144,7 +144,7 @@ def build_app(
     )
     @api.post("/detokenize", response_model=DetokenizeResponse, include_in_schema=False)
     async def detokenize(request: Request):
-        return await serving.off_loop(_json, detokenize_body, model, await request.body())
+        return await serving.off_loop(render_json, detokenize_body, model, await request.body())
 
     @api.get("/version", response_model=Version)
     def server_version():
@@ -229,11 +229,6 @@ def _openapi(app: FastAPI) -> dict:
         schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
         app.openapi_schema = schema
     return app.openapi_schema
-
-
-def _json(build, *args) -> Response:
-    """A response (a model's fields as a dict) rendered to JSON here, on an edge thread."""
-    return Response(orjson.dumps(build(*args)), media_type="application/json")
 
 
 try:

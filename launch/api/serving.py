@@ -187,7 +187,7 @@ class Serving:
         streams = [self._outputs(c, shape.id if one else f"{shape.id}-{c.index}") for c in choices]
         if not er.stream:
             gens = await _until_disconnect(request, _all([_collect(s) for s in streams]))
-            return await self.off_loop(_render, shape.response, choices, gens)
+            return await self.off_loop(render_json, shape.response, choices, gens)
         # the first outputs before the response starts, so a refusal is still a status code
         firsts = await _until_disconnect(request, _firsts(streams))
         return StreamingResponse(
@@ -325,7 +325,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _render(build, *args) -> Response:
+def render_json(build, *args) -> Response:
     """A whole answer (the response model's dict, long parts as orjson fragments) built and
     rendered to JSON here, on an edge thread."""
     return Response(orjson.dumps(build(*args)), media_type="application/json")
