@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -13,6 +14,16 @@ from dist_glm5.stages.coordinator import Coordinator
 from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, StageSpec
 from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
 from dist_glm5.stages.scheduler import SchedulerConfig
+
+
+def wait_until(cond, timeout: float, what: str, every: float = 0.01):
+    """Poll `cond()` until it is truthy and return it; fail naming `what` after `timeout` s (a
+    guard against a hang, not a speed target: the bound is generous)."""
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        assert time.monotonic() < deadline, what
+        time.sleep(every)
+    return value
 
 
 def require_trained_weights() -> None:

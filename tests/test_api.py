@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 from conftest import require
-from runtime_util import coordinator
+from runtime_util import coordinator, wait_until
 
 from dist_glm5.stages.worker import StageWorker
 
@@ -316,18 +316,15 @@ def test_api_key_on_every_endpoint_but_health(server, headers):
 
 
 def _engine_request_for(server, n_before: int, timeout=30.0):
-    t0 = time.monotonic()
-    while len(server.handles) <= n_before or server.handles[n_before].seq is None:
-        assert time.monotonic() - t0 < timeout, "the request never reached the engine"
-        time.sleep(0.01)
+    def reached():
+        return len(server.handles) > n_before and server.handles[n_before].seq is not None
+
+    wait_until(reached, timeout, "the request never reached the engine")
     return server.handles[n_before]
 
 
 def _wait_finished(handle, timeout=30.0):
-    t0 = time.monotonic()
-    while not handle.seq.finished:
-        assert time.monotonic() - t0 < timeout, "the request kept generating"
-        time.sleep(0.01)
+    wait_until(lambda: handle.seq.finished, timeout, "the request kept generating")
     return handle.seq
 
 
@@ -351,19 +348,21 @@ def test_client_disconnect_aborts_the_request(server, oc, stream):
         seq.finish_reason,
         len(seq.output),
     )
+
     # nothing else runs: its blocks are back in the ledger
-    t0 = time.monotonic()
-    while (m := server.loop.metrics_snapshot()).running or m.cache_usage:
-        assert time.monotonic() - t0 < 5, (m.running, m.cache_usage)
-        time.sleep(0.01)
+    def idle():
+        m = server.loop.metrics_snapshot()
+        return not (m.running or m.cache_usage)
+
+    wait_until(idle, 5, "the aborted request still holds the engine or its blocks")
     assert oc.completions.create(model="glm5-tiny", prompt="next", max_tokens=2).choices
 
 
 def _wait_healthy(server, seconds: float = 60.0) -> None:
-    deadline = time.monotonic() + seconds
-    while httpx.get(server.url + "/health").status_code != 200:
-        assert time.monotonic() < deadline, "the engine did not come back after a failure"
-        time.sleep(0.1)
+    def healthy():
+        return httpx.get(server.url + "/health").status_code == 200
+
+    wait_until(healthy, seconds, "the engine did not come back after a failure", every=0.1)
 
 
 def test_a_request_that_fails_in_the_engine_gets_a_500_and_the_others_go_on(server, oc):
