@@ -158,8 +158,11 @@ def test_progress_lines_and_timing_record_per_stage(tmp_path):
     assert 0 < t["ttft_s"] <= t["total_s"] and t["prefill_tok_s"] > 0
     # both workers reported their resident memory (each holds at least torch and its weights)
     assert sorted(t["peak_rss_mib"]) == ["0", "1"]
-    # ... and at this short context the planner's total per stage (mostly its runtime term,
-    # measured) is what they hold
+    # ... each at least its weights on top of torch (the caches are allocated empty: resident
+    # only where written), and in the plan's order of magnitude. Not a ratio: at this context
+    # the plan is mostly its runtime term, and a worker's file-backed pages (libtorch's code:
+    # 147 MiB here) vary by machine (a stage held 432 MiB on CI against 322 here, same plan).
+    # The measured/planned ratio is a benchmark's figure (bench long-job), at long contexts.
     import argparse
 
     from dist_glm5.checkpoint.default_model import ensure_default_model
@@ -173,7 +176,7 @@ def test_progress_lines_and_timing_record_per_stage(tmp_path):
     plan = batch.memory_plan(b, ModelConfig.from_hf(ensure_default_model()), ctx, b.cache_blocks)
     for s, _, m in plan.stages:
         got = t["peak_rss_mib"][str(s)] * 2**20
-        assert 0.8 * m.total <= got <= 1.2 * m.total, (s, got / 2**20, m.total / 2**20)
+        assert m.weights + 100 * 2**20 <= got <= 2 * m.total, (s, got / 2**20, m)
 
 
 def test_a_plan_that_does_not_fit_is_refused_naming_the_flags():

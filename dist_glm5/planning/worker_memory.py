@@ -26,6 +26,8 @@ MIB = 1 << 20
 # cpu: a stage worker's resident memory before its cache and workspaces fill (Python, torch 2.13,
 # the Ray worker runtime, the dist_glm5 modules): 254-272 MiB measured here (VmHWM of Ray workers
 # at 4K, and at 87K minus the other terms); it was 1 GiB, which put the plan 3x over a run at 4K.
+# About 147 MiB of that is file-backed (libtorch's code pages), which varies by machine: the same
+# worker peaked at 345 MiB here with the oracles installed and at 432 MiB on CI.
 # hpu: an allowance for the bridge and graph caches (not measured: no card here).
 RUNTIME_BYTES = {"cpu": 272 * MIB, "hpu": int(3.0 * GIB)}
 # Bytes held per (query row, key) while a full layer selects its keys, per backend's top-k:
