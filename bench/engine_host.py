@@ -52,8 +52,8 @@ class HostOnlyWorker:
     def step(self, plan):
         import torch
 
+        from dist_glm5.engine.messages import SeqOutput, StageTime, StepResult
         from dist_glm5.model.kv_cache import Chunk
-        from dist_glm5.stages.messages import SeqOutput, StageTime, StepResult
 
         for sid in [*plan.release, *plan.preempted]:
             self.cache.release(sid)
@@ -87,7 +87,7 @@ class WirePipeline:
         return self.spec.engine.cache
 
     def send(self, plan) -> None:
-        from dist_glm5.stages.messages import pack, unpack
+        from dist_glm5.engine.messages import pack, unpack
 
         t0 = time.perf_counter()
         plan = unpack(pack(plan))
@@ -126,11 +126,11 @@ class Decoding:
 
     def __init__(self, model_dir, context: int, seqs: int, max_steps: int):
         from dist_glm5.checkpoint.tokenizer import load_tokenizer
+        from dist_glm5.engine.config import CacheConfig, EngineConfig, StageSpec
+        from dist_glm5.engine.coordinator import Coordinator
+        from dist_glm5.engine.scheduler import SchedulerConfig
         from dist_glm5.model.config import ModelConfig
         from dist_glm5.sampling.params import SamplingParams
-        from dist_glm5.stages.coordinator import Coordinator
-        from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, StageSpec
-        from dist_glm5.stages.scheduler import SchedulerConfig
 
         cfg = ModelConfig.from_hf(model_dir)
         chunk = 16384  # prefill in few plans (host work only); decodes take one token regardless
@@ -215,7 +215,7 @@ def measure(
 
 
 def register(p: argparse.ArgumentParser) -> None:
-    from dist_glm5.stages.engine_config import parse_ctx
+    from dist_glm5.engine.config import parse_ctx
 
     p.add_argument(
         "--contexts",

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from dist_glm5.stages.engine_config import parse_ctx
+from dist_glm5.engine.config import parse_ctx
 
 log = logging.getLogger(__name__)
 LAUNCH = "import sys; from dist_glm5.launch.cli import main; sys.exit(main(sys.argv[1:]))"

@@ -36,9 +36,9 @@ from dist_glm5.checkpoint.tokenizer import load_tokenizer
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.sampling.params import SamplingParams
-from dist_glm5.stages.coordinator import Coordinator
-from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout, StageSpec
-from dist_glm5.stages.scheduler import SchedulerConfig
+from dist_glm5.engine.coordinator import Coordinator
+from dist_glm5.engine.config import CacheConfig, EngineConfig, Layout, StageSpec
+from dist_glm5.engine.scheduler import SchedulerConfig
 ctx, stages, threads, chunk = map(int, sys.argv[1:5])
 d = ensure_default_model()
 cfg = ModelConfig.from_hf(d)

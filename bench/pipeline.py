@@ -29,12 +29,12 @@ def register(p: argparse.ArgumentParser) -> None:
 
 
 def measure(d: str, stages: int, microbatches: int, mtp: bool, prompts, new_tokens: int) -> dict:
+    from dist_glm5.engine.config import CacheConfig, EngineConfig, Layout
+    from dist_glm5.engine.coordinator import Coordinator
+    from dist_glm5.engine.scheduler import SchedulerConfig
     from dist_glm5.model.config import ModelConfig
     from dist_glm5.sampling.params import SamplingParams
-    from dist_glm5.stages.coordinator import Coordinator
-    from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout
     from dist_glm5.stages.ray_pipeline import RayPipeline
-    from dist_glm5.stages.scheduler import SchedulerConfig
 
     cfg = ModelConfig.from_hf(d)
     engine = EngineConfig(

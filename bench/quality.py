@@ -123,11 +123,11 @@ def bpb(model, texts) -> dict:
 def engine(model_dir, stages=1, mtp=False, dsa=None, blocks=1024, chunk=256):
     """A coordinator: in process for one stage, a local two-node Ray cluster otherwise."""
     from dist_glm5.checkpoint.tokenizer import load_tokenizer
+    from dist_glm5.engine.config import CacheConfig, EngineConfig, Layout, StageSpec
+    from dist_glm5.engine.coordinator import Coordinator
+    from dist_glm5.engine.scheduler import SchedulerConfig
     from dist_glm5.model.config import ModelConfig
     from dist_glm5.model.dsa_config import DSAConfig
-    from dist_glm5.stages.coordinator import Coordinator
-    from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout, StageSpec
-    from dist_glm5.stages.scheduler import SchedulerConfig
 
     cfg = ModelConfig.from_hf(model_dir)
     eng = EngineConfig(

@@ -127,16 +127,16 @@ def host_only_server(argv: list[str] | None = None) -> None:
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
 
     from dist_glm5.checkpoint.tokenizer import load_tokenizer
+    from dist_glm5.engine.config import CacheConfig, EngineConfig, StageSpec
+    from dist_glm5.engine.coordinator import Coordinator
+    from dist_glm5.engine.loop import EngineLoop
+    from dist_glm5.engine.scheduler import SchedulerConfig
     from dist_glm5.launch.api.app import build_app
     from dist_glm5.launch.api.engine_client import EngineClient
     from dist_glm5.launch.api.engine_request import ModelInfo
     from dist_glm5.launch.api.server import HttpServer, ServerSettings
-    from dist_glm5.launch.engine_loop import EngineLoop
     from dist_glm5.model.config import ModelConfig
-    from dist_glm5.stages.coordinator import Coordinator
-    from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, StageSpec
     from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
-    from dist_glm5.stages.scheduler import SchedulerConfig
 
     from .engine_host import HostOnlyWorker
 

@@ -172,12 +172,12 @@ def engine_runs(d: Path, spec, batch: int) -> dict:
     import torch
 
     from dist_glm5.checkpoint.tokenizer import load_tokenizer
+    from dist_glm5.engine.config import CacheConfig, EngineConfig, StageSpec
+    from dist_glm5.engine.coordinator import Coordinator
+    from dist_glm5.engine.scheduler import SchedulerConfig
     from dist_glm5.model.config import ModelConfig
     from dist_glm5.sampling.params import SamplingParams
-    from dist_glm5.stages.coordinator import Coordinator
-    from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, StageSpec
     from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
-    from dist_glm5.stages.scheduler import SchedulerConfig
 
     cfg = ModelConfig.from_hf(d)
     engine = EngineConfig(str(d), cache=CacheConfig(512), scheduler=SchedulerConfig(microbatches=1))

@@ -30,7 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from dist_glm5.stages.engine_config import parse_ctx
+from dist_glm5.engine.config import parse_ctx
 
 from .engine_args import add_layout_args, build_engine, dsa_config, engine_config, model_dir
 

@@ -7,9 +7,9 @@ import argparse
 import logging
 from pathlib import Path
 
+from dist_glm5.engine.config import CacheConfig, EngineConfig, Layout
+from dist_glm5.engine.scheduler import SchedulerConfig
 from dist_glm5.model.dsa_config import DSAConfig
-from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout
-from dist_glm5.stages.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +159,9 @@ def engine_config(
 def build_engine(engine: EngineConfig):
     """The coordinator over an in-process pipeline (one stage, one rank, no Ray) or Ray actors."""
     from dist_glm5.checkpoint.tokenizer import load_tokenizer
+    from dist_glm5.engine.config import StageSpec
+    from dist_glm5.engine.coordinator import Coordinator
     from dist_glm5.model.config import ModelConfig
-    from dist_glm5.stages.coordinator import Coordinator
-    from dist_glm5.stages.engine_config import StageSpec
 
     cfg = ModelConfig.from_hf(engine.model_dir)
     if engine.in_process:

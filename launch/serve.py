@@ -16,7 +16,7 @@ import signal
 import time
 from pathlib import Path
 
-from dist_glm5.stages.engine_config import parse_ctx
+from dist_glm5.engine.config import parse_ctx
 
 from .api.limits import add_limit_args
 from .engine_args import add_layout_args
@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace, d: Path, cfg) -> int:
     from dist_glm5.checkpoint.tokenizer import load_tokenizer
+    from dist_glm5.engine.loop import EngineLoop
 
     from .api.app import build_app
     from .api.engine_client import EngineClient
@@ -126,7 +127,6 @@ def serve(args: argparse.Namespace, d: Path, cfg) -> int:
     from .api.limits import Limits
     from .api.server import HttpServer, ServerSettings
     from .engine_args import build_engine, engine_config
-    from .engine_loop import EngineLoop
 
     t0 = time.perf_counter()
     # one sequence of --ctx: more requests queue for blocks (the scheduler admits, preempts)

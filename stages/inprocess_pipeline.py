@@ -3,9 +3,9 @@ worker)."""
 
 from __future__ import annotations
 
-from dist_glm5.stages.messages import StepPlan, StepResult
+from dist_glm5.engine.messages import StepPlan, StepResult
+from dist_glm5.engine.pipeline import StageFailure
 
-from .pipeline import StageFailure
 from .worker import StageWorker
 
 

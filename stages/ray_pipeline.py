@@ -24,9 +24,8 @@ from dataclasses import replace
 
 import zmq
 
-from dist_glm5.model.config import ModelConfig
-from dist_glm5.planning.partition import partition_layers
-from dist_glm5.stages.messages import (
+from dist_glm5.engine.config import EngineConfig, StageSpec
+from dist_glm5.engine.messages import (
     Heartbeat,
     Hello,
     Shutdown,
@@ -37,9 +36,10 @@ from dist_glm5.stages.messages import (
     pack,
     unpack,
 )
+from dist_glm5.engine.pipeline import StageFailure
+from dist_glm5.model.config import ModelConfig
+from dist_glm5.planning.partition import partition_layers
 
-from .engine_config import EngineConfig, StageSpec
-from .pipeline import StageFailure
 from .worker import serve
 
 log = logging.getLogger(__name__)

@@ -33,6 +33,8 @@ import torch
 from dist_glm5.backends import get_backend
 from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.checkpoint.shards import ShardedCheckpoint, is_sharded
+from dist_glm5.engine.config import StageSpec
+from dist_glm5.engine.messages import SeqOutput, SeqWork, StageTime, StepPlan, StepResult
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.kv_cache import Chunk
 from dist_glm5.obs import profiler
@@ -51,9 +53,7 @@ from dist_glm5.sampling.sampler import (
     token_logprobs,
     token_logprobs_rows,
 )
-from dist_glm5.stages.messages import SeqOutput, SeqWork, StageTime, StepPlan, StepResult
 
-from .engine_config import StageSpec
 from .tp import shard_tensor_parallel
 
 log = logging.getLogger(__name__)
@@ -364,7 +364,7 @@ class HeartbeatThread(threading.Thread):
     def run(self) -> None:
         import zmq
 
-        from dist_glm5.stages.messages import Heartbeat, pack
+        from dist_glm5.engine.messages import Heartbeat, pack
 
         pid = os.getpid()
         try:
@@ -390,7 +390,7 @@ def serve(spec: StageSpec, coord_addr: str, dist_init: str | None) -> None:
     import zmq
 
     from dist_glm5.backends.comm import Comm
-    from dist_glm5.stages.messages import Hello, Shutdown, StepTiming, WorkerError, pack, unpack
+    from dist_glm5.engine.messages import Hello, Shutdown, StepTiming, WorkerError, pack, unpack
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

@@ -9,11 +9,11 @@ import torch
 
 from dist_glm5.checkpoint.default_model import TRAINED_DIR
 from dist_glm5.checkpoint.tokenizer import load_tokenizer
+from dist_glm5.engine.config import CacheConfig, EngineConfig, StageSpec
+from dist_glm5.engine.coordinator import Coordinator
+from dist_glm5.engine.scheduler import SchedulerConfig
 from dist_glm5.model.config import ModelConfig
-from dist_glm5.stages.coordinator import Coordinator
-from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, StageSpec
 from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
-from dist_glm5.stages.scheduler import SchedulerConfig
 
 
 def wait_until(cond, timeout: float, what: str, every: float = 0.01):

@@ -33,11 +33,11 @@ class FailingWorker(StageWorker):
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
+    from dist_glm5.engine.loop import EngineLoop
     from dist_glm5.launch.api.app import build_app
     from dist_glm5.launch.api.engine_client import EngineClient
     from dist_glm5.launch.api.engine_request import ModelInfo
     from dist_glm5.launch.api.server import HttpServer, ServerSettings
-    from dist_glm5.launch.engine_loop import EngineLoop
     from dist_glm5.model.config import ModelConfig
 
     c = coordinator(default_model_dir, worker_cls=FailingWorker, max_model_len=CTX)
@@ -468,11 +468,11 @@ def test_property_based_run_against_the_openapi_schema_has_no_5xx(server):
 def test_health_is_503_while_the_engine_cannot_serve(status):
     from fastapi.testclient import TestClient
 
+    from dist_glm5.engine.loop import EngineState
+    from dist_glm5.engine.metrics import EngineMetrics
     from dist_glm5.launch.api.app import build_app
     from dist_glm5.launch.api.engine_client import EngineClient
     from dist_glm5.launch.api.engine_request import ModelInfo
-    from dist_glm5.launch.engine_loop import EngineState
-    from dist_glm5.stages.metrics import EngineMetrics
 
     class Stuck:  # the engine loop's health and metrics, in the given state
         max_model_len = 64

@@ -16,7 +16,7 @@ import torch
 from conftest import require
 from runtime_util import coordinator
 
-from dist_glm5.stages.engine_config import CacheConfig
+from dist_glm5.engine.config import CacheConfig
 
 openai = require("openai")
 MODEL = "glm5-tiny"
@@ -24,11 +24,11 @@ MODEL = "glm5-tiny"
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
+    from dist_glm5.engine.loop import EngineLoop
     from dist_glm5.launch.api.app import build_app
     from dist_glm5.launch.api.engine_client import EngineClient
     from dist_glm5.launch.api.engine_request import ModelInfo
     from dist_glm5.launch.api.server import HttpServer, ServerSettings
-    from dist_glm5.launch.engine_loop import EngineLoop
     from dist_glm5.model.config import ModelConfig
 
     c = coordinator(default_model_dir, cache=CacheConfig(256), max_model_len=2048)

@@ -25,7 +25,7 @@ import pytest
 from conftest import require
 from runtime_util import coordinator
 
-from dist_glm5.stages.engine_config import CacheConfig
+from dist_glm5.engine.config import CacheConfig
 
 openai = require("openai")
 
@@ -145,8 +145,8 @@ def start_server(loop, model_info):
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
+    from dist_glm5.engine.loop import EngineLoop
     from dist_glm5.launch.api.engine_request import ModelInfo
-    from dist_glm5.launch.engine_loop import EngineLoop
     from dist_glm5.model.config import ModelConfig
 
     c = coordinator(default_model_dir, cache=CacheConfig(256), max_model_len=2048)
@@ -328,7 +328,7 @@ PARSED = {
 
 
 class ScriptedLoop:
-    """The engine loop's contract (launch/engine_loop.py), writing SCRIPT[the user's message]
+    """The engine loop's contract (engine/loop.py), writing SCRIPT[the user's message]
     a few UTF-8 bytes per delta (so tags and characters split across deltas)."""
 
     max_model_len = 4096
@@ -337,7 +337,7 @@ class ScriptedLoop:
         self.tok = tokenizer
 
     def submit(self, prompt, params, request_id=None):
-        from dist_glm5.launch.engine_loop import Delta, Handle
+        from dist_glm5.engine.loop import Delta, Handle
 
         h = Handle(request_id)
         text = self.tok.decode(prompt)
@@ -367,12 +367,12 @@ class ScriptedLoop:
         pass
 
     def health(self):
-        from dist_glm5.launch.engine_loop import EngineState
+        from dist_glm5.engine.loop import EngineState
 
         return EngineState("ok")
 
     def metrics_snapshot(self):
-        from dist_glm5.stages.metrics import EngineMetrics
+        from dist_glm5.engine.metrics import EngineMetrics
 
         return EngineMetrics()
 

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from dist_glm5.checkpoint.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopStrings
 from dist_glm5.checkpoint.tokenizer import ByteTokenizer
+from dist_glm5.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopStrings
 
 TEXT = "héllo wörld 😀 €uro — naïve 日本語, ok 🇫🇷!"
 

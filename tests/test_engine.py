@@ -13,10 +13,10 @@ import pytest
 from runtime_util import coordinator, prompts
 
 from dist_glm5.backends import get_backend
+from dist_glm5.engine.config import CacheConfig
 from dist_glm5.model.kv_cache import Chunk, PagedKVCache
 from dist_glm5.model.reference_loop import generate
 from dist_glm5.sampling.params import SamplingParams
-from dist_glm5.stages.engine_config import CacheConfig
 from dist_glm5.stages.worker import StageWorker
 
 SMALL = CacheConfig(blocks=8, block_size=16)  # 128 tokens
@@ -178,7 +178,7 @@ def _events(h, timeout=120.0):
 
 def test_engine_loop_streams_text_holds_stop_strings_and_aborts(default_model_dir, alone):
     from dist_glm5.checkpoint.tokenizer import load_tokenizer
-    from dist_glm5.launch.engine_loop import EngineLoop
+    from dist_glm5.engine.loop import EngineLoop
 
     ps, want = alone
     tok = load_tokenizer(default_model_dir)
@@ -214,7 +214,7 @@ def test_engine_loop_streams_text_holds_stop_strings_and_aborts(default_model_di
 
 
 def test_engine_memory_is_flat_over_many_requests(default_model_dir):
-    from dist_glm5.launch.engine_loop import EngineLoop
+    from dist_glm5.engine.loop import EngineLoop
 
     loop = EngineLoop(coordinator(default_model_dir, cache=SMALL))
     c, w = loop.c, loop.c.pipeline.worker
@@ -283,8 +283,8 @@ class NeverStarts(StageWorker):
 
 
 def test_engine_loop_reports_dead_when_it_cannot_restart(default_model_dir, monkeypatch):
-    from dist_glm5.launch import engine_loop
-    from dist_glm5.launch.engine_loop import EngineLoop
+    from dist_glm5.engine import loop as engine_loop
+    from dist_glm5.engine.loop import EngineLoop
 
     monkeypatch.setattr(engine_loop, "RESTART_BACKOFF_S", 0.01)
     NeverStarts.built = 0

@@ -31,6 +31,7 @@ from runtime_util import coordinator
 from test_api_tools import ScriptedLoop, start_server
 
 from dist_glm5.checkpoint.tokenizer import ByteTokenizer
+from dist_glm5.engine.config import CacheConfig
 from dist_glm5.launch.api.tool_calls import parse_tool_calls
 from dist_glm5.sampling.grammar import (
     GrammarError,
@@ -41,7 +42,6 @@ from dist_glm5.sampling.grammar import (
     pattern_regex,
 )
 from dist_glm5.sampling.params import SamplingParams
-from dist_glm5.stages.engine_config import CacheConfig
 
 TOK = ByteTokenizer()
 V, EOS = 259, (257,)
@@ -193,7 +193,7 @@ def test_limits_are_configured_carried_and_used_by_the_worker():
     with pytest.raises(GrammarError, match="too large"):  # the worker compiles with the same
         GrammarMatcher(tight, TOK, V, EOS)
     # the limits travel with the request to the last stage (the control plane's msgpack)
-    from dist_glm5.stages.messages import pack, unpack
+    from dist_glm5.engine.messages import pack, unpack
 
     back = unpack(pack(SamplingParams(max_tokens=4, grammar=tight)))
     assert back.grammar == tight and back.grammar.limits == small
@@ -460,7 +460,7 @@ def test_the_server_answers_while_it_checks_a_poison_grammar(scripted):
 
 @pytest.fixture(scope="module")
 def real(default_model_dir):
-    from dist_glm5.launch.engine_loop import EngineLoop
+    from dist_glm5.engine.loop import EngineLoop
     from dist_glm5.model.config import ModelConfig
 
     c = coordinator(default_model_dir, cache=CacheConfig(256), max_model_len=2048)

@@ -177,7 +177,7 @@ def test_launch_hpu_without_the_stack_and_with_the_fake(
 
 
 def test_engine_config_names_a_known_backend():
-    from dist_glm5.stages.engine_config import EngineConfig
+    from dist_glm5.engine.config import EngineConfig
 
     assert EngineConfig("m").backend == "cpu"
     with pytest.raises(ValueError, match="backend 'tpu'.*--backend"):

@@ -21,12 +21,12 @@ import pytest
 from runtime_util import prompts
 from test_hpu_step import PENDING
 
+from dist_glm5.engine.config import CacheConfig, EngineConfig, Layout, StageSpec
+from dist_glm5.engine.coordinator import Coordinator
+from dist_glm5.engine.scheduler import SchedulerConfig
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.sampling.params import SamplingParams
-from dist_glm5.stages.coordinator import Coordinator
-from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout, StageSpec
-from dist_glm5.stages.scheduler import SchedulerConfig
 
 fake_hf = hpu_fake.fake_hf
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -8,15 +8,15 @@ from __future__ import annotations
 import torch
 from runtime_util import ray_nodes
 
+from dist_glm5.engine.config import CacheConfig, EngineConfig, Layout, StageSpec
+from dist_glm5.engine.coordinator import Coordinator
+from dist_glm5.engine.scheduler import SchedulerConfig
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.planning.partition import partition_layers
 from dist_glm5.planning.worker_memory import worker_memory
 from dist_glm5.sampling.params import SamplingParams
-from dist_glm5.stages.coordinator import Coordinator
-from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout, StageSpec
 from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
-from dist_glm5.stages.scheduler import SchedulerConfig
 
 LONG, SHORT = 32768, 8192
 CHUNK = 1024

@@ -13,13 +13,13 @@ import pytest
 from runtime_util import prompts, ray_nodes
 
 from dist_glm5.backends import get_backend
+from dist_glm5.engine.config import CacheConfig, EngineConfig, Layout
+from dist_glm5.engine.coordinator import Coordinator
+from dist_glm5.engine.scheduler import SchedulerConfig
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.model.reference_loop import generate
 from dist_glm5.sampling.params import SamplingParams
-from dist_glm5.stages.coordinator import Coordinator
-from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout
-from dist_glm5.stages.scheduler import SchedulerConfig
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 PROMPTS = prompts([5, 70, 150, 33], seed=1)

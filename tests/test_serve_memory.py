@@ -52,10 +52,10 @@ async def send(client: httpx.AsyncClient, ids: range) -> None:
 
 
 def test_rss_after_2000_short_requests_is_within_10_percent_of_after_200(default_model_dir):
+    from dist_glm5.engine.loop import EngineLoop
     from dist_glm5.launch.api.app import build_app
     from dist_glm5.launch.api.engine_client import EngineClient
     from dist_glm5.launch.api.engine_request import ModelInfo
-    from dist_glm5.launch.engine_loop import EngineLoop
     from dist_glm5.model.config import ModelConfig
 
     c = coordinator(default_model_dir, max_model_len=2048, microbatches=1)

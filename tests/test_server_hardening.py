@@ -37,11 +37,11 @@ LIMITS = Limits(
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
+    from dist_glm5.engine.loop import EngineLoop
     from dist_glm5.launch.api.app import build_app
     from dist_glm5.launch.api.engine_client import EngineClient
     from dist_glm5.launch.api.engine_request import ModelInfo
     from dist_glm5.launch.api.server import HttpServer, ServerSettings
-    from dist_glm5.launch.engine_loop import EngineLoop
     from dist_glm5.model.config import ModelConfig
 
     c = coordinator(default_model_dir, max_model_len=CTX)
@@ -299,11 +299,11 @@ def test_models_retrieve_head_health_and_no_slash_redirect(server):
 def test_a_request_while_the_engine_cannot_serve_is_a_503_at_once(status):
     from fastapi.testclient import TestClient
 
+    from dist_glm5.engine.loop import EngineState
+    from dist_glm5.engine.metrics import EngineMetrics
     from dist_glm5.launch.api.app import build_app
     from dist_glm5.launch.api.engine_client import EngineClient
     from dist_glm5.launch.api.engine_request import ModelInfo
-    from dist_glm5.launch.engine_loop import EngineState
-    from dist_glm5.stages.metrics import EngineMetrics
 
     class Down:
         max_model_len = 64
@@ -329,7 +329,7 @@ def test_a_request_while_the_engine_cannot_serve_is_a_503_at_once(status):
 def test_queued_requests_fail_when_a_restart_fails_instead_of_waiting(default_model_dir):
     """A stage failure fails the started request; the restart then fails too: the queued
     request hears that at once (not after every attempt's startup timeout)."""
-    from dist_glm5.launch import engine_loop as el
+    from dist_glm5.engine import loop as el
     from dist_glm5.sampling.params import SamplingParams
     from dist_glm5.stages.worker import StageWorker
 

@@ -22,11 +22,11 @@ import time
 import pytest
 from runtime_util import prompts, ray_nodes
 
+from dist_glm5.engine.config import CacheConfig, EngineConfig, Layout, StageSpec
+from dist_glm5.engine.scheduler import SchedulerConfig
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.reference_loop import generate
 from dist_glm5.sampling.params import SamplingParams
-from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout, StageSpec
-from dist_glm5.stages.scheduler import SchedulerConfig
 
 BEAT_S, BEAT_TIMEOUT_S = 0.2, 2.0
 PROMPT = prompts([20], seed=5)[0]
@@ -59,8 +59,8 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def loop(cluster, default_model_dir):
-    from dist_glm5.launch.engine_loop import EngineLoop
-    from dist_glm5.stages.coordinator import Coordinator
+    from dist_glm5.engine.coordinator import Coordinator
+    from dist_glm5.engine.loop import EngineLoop
     from dist_glm5.stages.ray_pipeline import RayPipeline
 
     cfg = ModelConfig.from_hf(default_model_dir)
@@ -209,8 +209,8 @@ def test_a_step_without_progress_names_the_earliest_stage_not_done(cluster, defa
     """A live worker that makes no progress (it beats): the step timeout names the earliest stage
     that has not finished the step. Here stage 1 alone gets the plan, so it waits in gloo for a
     hidden state stage 0 never computes; stage 0 is the one that did not do its part."""
-    from dist_glm5.stages.messages import SeqWork, StepPlan, pack
-    from dist_glm5.stages.pipeline import StageFailure
+    from dist_glm5.engine.messages import SeqWork, StepPlan, pack
+    from dist_glm5.engine.pipeline import StageFailure
     from dist_glm5.stages.ray_pipeline import RayPipeline
 
     pipe = RayPipeline(_engine(default_model_dir, step_timeout=1.5))
@@ -233,7 +233,7 @@ def test_a_step_without_progress_names_the_earliest_stage_not_done(cluster, defa
 def test_queue_time_ends_when_first_scheduled_and_aborts_are_logged(default_model_dir, caplog):
     from runtime_util import coordinator
 
-    from dist_glm5.launch.engine_loop import EngineLoop
+    from dist_glm5.engine.loop import EngineLoop
 
     lp = EngineLoop(coordinator(default_model_dir, max_seqs=1))
     try:
@@ -254,7 +254,7 @@ def test_queue_time_ends_when_first_scheduled_and_aborts_are_logged(default_mode
         m = lp.metrics_snapshot()
         # three observations: ~0, ~0 and the second's wait for the first
         assert m.queue.count == 3 and m.queue.sum >= first_done - 0.1, (m.queue.sum, first_done)
-        with caplog.at_level("INFO", logger="dist_glm5.launch.engine_loop"):
+        with caplog.at_level("INFO", logger="dist_glm5.engine.loop"):
             h = _decoding(lp, LONG)
             lp.abort(h, why="a test cancels it")
             kind, seq, _ = _terminal(h)
@@ -272,7 +272,7 @@ def test_a_busy_worker_keeps_beating(default_model_dir):
     import torch
     import zmq
 
-    from dist_glm5.stages.messages import Heartbeat, unpack
+    from dist_glm5.engine.messages import Heartbeat, unpack
     from dist_glm5.stages.worker import HeartbeatThread
 
     spec = StageSpec(EngineConfig(str(default_model_dir), heartbeat_interval=0.1))

@@ -16,10 +16,10 @@ import pytest
 import torch
 from runtime_util import coordinator, prompts
 
+from dist_glm5.engine.config import CacheConfig
 from dist_glm5.sampling.grammar import GrammarSpec
 from dist_glm5.sampling.params import SamplingParams as SP
 from dist_glm5.sampling.sampler import process_logits, token_logprobs
-from dist_glm5.stages.engine_config import CacheConfig
 from dist_glm5.stages.worker import StageWorker
 
 SCHEMA = {

@@ -16,12 +16,12 @@ import pytest
 from runtime_util import prompts, ray_nodes
 from test_grammar import SCHEMAS as GRAMMAR_SCHEMAS
 
+from dist_glm5.engine.config import CacheConfig, EngineConfig, Layout
+from dist_glm5.engine.coordinator import Coordinator
+from dist_glm5.engine.scheduler import SchedulerConfig
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.sampling.grammar import GrammarSpec
 from dist_glm5.sampling.params import SamplingParams
-from dist_glm5.stages.coordinator import Coordinator
-from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout
-from dist_glm5.stages.scheduler import SchedulerConfig
 
 
 def bounded(s):

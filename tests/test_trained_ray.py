@@ -13,12 +13,12 @@ from runtime_util import ray_nodes, require_trained_weights
 
 from dist_glm5.backends import get_backend
 from dist_glm5.checkpoint.default_model import TRAINED_DIR
+from dist_glm5.engine.config import CacheConfig, EngineConfig, Layout
+from dist_glm5.engine.coordinator import Coordinator
+from dist_glm5.engine.scheduler import SchedulerConfig
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.sampling.params import SamplingParams
-from dist_glm5.stages.coordinator import Coordinator
-from dist_glm5.stages.engine_config import CacheConfig, EngineConfig, Layout
-from dist_glm5.stages.scheduler import SchedulerConfig
 from dist_glm5.train.corpus import frozen_heldout, make_needles, needle_prompt
 
 require_trained_weights()

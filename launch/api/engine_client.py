@@ -1,4 +1,4 @@
-"""The server's one view of the engine loop (launch/engine_loop.py, whose docstring is the
+"""The server's one view of the engine loop (engine/loop.py, whose docstring is the
 contract): submit a request and await its events, abort it, the engine's health and metrics.
 
 The loop runs in its own thread and answers through a thread-safe queue per request. Awaiting that

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from dist_glm5.stages.metrics import Histogram
+from dist_glm5.engine.metrics import Histogram
 
 BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

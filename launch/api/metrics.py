@@ -1,4 +1,4 @@
-"""/metrics through prometheus-client: the engine loop's bounded metrics (stages/metrics.py),
+"""/metrics through prometheus-client: the engine loop's bounded metrics (engine/metrics.py),
 read as one snapshot at each scrape and exported under vLLM's names with our prefix.
 
 The engine keeps the histograms (TTFT, inter-token, end-to-end, queue time) as fixed buckets, so
@@ -19,7 +19,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from dist_glm5.stages.metrics import EngineMetrics, Histogram
+from dist_glm5.engine.metrics import EngineMetrics, Histogram
 
 from .loop_lag import LoopLag
 

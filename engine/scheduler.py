@@ -30,9 +30,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from dist_glm5.engine.messages import SeqOutput, SeqWork, StepPlan
 from dist_glm5.model.block_manager import BlockManager
 from dist_glm5.sampling.params import SamplingParams
-from dist_glm5.stages.messages import SeqOutput, SeqWork, StepPlan
 
 KINDS_KEPT = 4096  # step kinds remembered (for profiles): bounded, not one per step forever
 

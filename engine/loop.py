@@ -43,7 +43,7 @@ request then gets "error"). `health()` -> the same with `.ok` (True only when "o
 
 `metrics_snapshot()` -> stages.metrics.EngineMetrics, a copy taken under the loop's lock (counters,
 gauges, fixed-bucket histograms of TTFT, inter-token latency, end-to-end latency and queue time;
-see stages/metrics.py for the fields and suggested Prometheus names). TTFT is submit -> first
+see engine/metrics.py for the fields and suggested Prometheus names). TTFT is submit -> first
 delta with tokens; inter-token latency is observed once per later delta with tokens (a step that
 emits an accepted MTP draft and a bonus token is one observation); e2e is submit -> done; queue
 time is submit -> the first plan the scheduler put the request in.
@@ -62,10 +62,10 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from dist_glm5.engine.coordinator import Coordinator
+from dist_glm5.engine.metrics import EngineMetrics
+from dist_glm5.engine.scheduler import Sequence
 from dist_glm5.sampling.params import SamplingParams
-from dist_glm5.stages.coordinator import Coordinator
-from dist_glm5.stages.metrics import EngineMetrics
-from dist_glm5.stages.scheduler import Sequence
 
 log = logging.getLogger(__name__)
 RESTART_ATTEMPTS = 3  # then the engine is dead

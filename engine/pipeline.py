@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from dist_glm5.stages.engine_config import CacheConfig
-from dist_glm5.stages.messages import StepPlan, StepResult
+from dist_glm5.engine.config import CacheConfig
+from dist_glm5.engine.messages import StepPlan, StepResult
 
 
 class StageFailure(RuntimeError):

@@ -10,8 +10,8 @@ import argparse
 import re
 from dataclasses import dataclass, field, replace
 
+from dist_glm5.engine.scheduler import SchedulerConfig
 from dist_glm5.model.dsa_config import DSAConfig
-from dist_glm5.stages.scheduler import SchedulerConfig
 
 BACKENDS = ("cpu", "hpu")  # the names dist_glm5.backends.get_backend knows
 

@@ -21,13 +21,12 @@ import logging
 import random
 from dataclasses import dataclass, field, replace
 
-from dist_glm5.checkpoint.detokenizer import IncrementalDetokenizer
+from dist_glm5.engine.config import StageId
+from dist_glm5.engine.detokenizer import IncrementalDetokenizer
+from dist_glm5.engine.messages import SeqOutput, StepResult
+from dist_glm5.engine.pipeline import Pipeline, StageFailure
+from dist_glm5.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from dist_glm5.sampling.params import SamplingParams, check_vocab
-
-from .engine_config import StageId
-from .messages import SeqOutput, StepResult
-from .pipeline import Pipeline, StageFailure
-from .scheduler import Scheduler, SchedulerConfig, Sequence
 
 log = logging.getLogger(__name__)
 EVENT_STEPS_KEPT = 4096  # profiler spans kept (steps x workers): bounded
