@@ -77,8 +77,8 @@ from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.backends import get_backend
 ctx, batch, steps, threads = map(int, sys.argv[1:5])
 torch.set_num_threads(threads)
-m = load_model(ensure_default_model(), mtp=False, ops=get_backend("cpu").ops())
-m.set_dsa(DSAConfig(mode="sparse"))
+m = load_model(ensure_default_model(), mtp=False, ops=get_backend("cpu").ops(),
+               dsa=DSAConfig(mode="sparse"))
 per = ctx // 64 + 2
 cache = m.new_cache(per * batch, 64)
 g = torch.Generator().manual_seed(0)

@@ -118,12 +118,12 @@ class StageWorker:
             mtp=self.last and eng.mtp,
             experts=experts,
             ops=backend.ops(),
+            dsa=eng.dsa,
         )
         if spec.ranks > 1:
             shard_tensor_parallel(
                 self.model, spec.rank, spec.ranks, ep, comm.all_reduce, comm.all_gather_mask
             )
-        self.model.set_dsa(eng.dsa)
         PROF.enabled = eng.profile
         if eng.profile:  # hooks from outside the model, after tensor parallelism set its reduces
             profiler.install(self.model)

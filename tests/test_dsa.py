@@ -91,7 +91,7 @@ CONFIGS = {
 @pytest.fixture(scope="module")
 def sparse_models(default_model_dir):
     return {
-        name: load_model(default_model_dir, ops=get_backend("cpu").ops()).set_dsa(c)
+        name: load_model(default_model_dir, ops=get_backend("cpu").ops(), dsa=c)
         for name, c in CONFIGS.items()
     }
 
@@ -169,10 +169,12 @@ class CacheReads(TorchDispatchMode):
 def _cache_reads_of_a_run(model_dir, cap):
     """Prefill two prompts (250 and 90 tokens, one forward) and decode 4 greedy steps on the
     sparse path with the given gather cap, recording every materialised cache read."""
-    m = load_model(model_dir, ops=get_backend("cpu").ops()).set_dsa(
-        DSAConfig(
+    m = load_model(
+        model_dir,
+        ops=get_backend("cpu").ops(),
+        dsa=DSAConfig(
             mode="sparse", dense_threshold=0, window=8, gather_cap_bytes=cap, indexer_row_chunk=7
-        )
+        ),
     )
     ps = prompts([250, 90], seed=6)
     cache = m.new_cache(32, 16)

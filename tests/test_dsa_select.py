@@ -67,8 +67,8 @@ def test_the_model_uses_it_for_decode_and_tokens_are_unchanged(default_model_dir
         return K.select_rows(*a)
 
     sparse = DSAConfig(mode="sparse")
-    fused = load_model(default_model_dir, ops=replace(ops, select_rows=spy)).set_dsa(sparse)
-    plain = load_model(default_model_dir, ops=replace(ops, select_rows=None)).set_dsa(sparse)
+    fused = load_model(default_model_dir, ops=replace(ops, select_rows=spy), dsa=sparse)
+    plain = load_model(default_model_dir, ops=replace(ops, select_rows=None), dsa=sparse)
     ps, P = prompts([150, 90], seed=2), SamplingParams(max_tokens=8, ignore_eos=True)
     assert [x.token_ids for x in generate(fused, ps, P)] == [
         x.token_ids for x in generate(plain, ps, P)

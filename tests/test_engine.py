@@ -311,8 +311,10 @@ def test_sparse_is_bit_identical_through_the_block_tables(default_model_dir):
     from dist_glm5.checkpoint.loader import load_model
     from dist_glm5.model.dsa_config import DSAConfig
 
-    m = load_model(default_model_dir, ops=get_backend("cpu").ops()).set_dsa(
-        DSAConfig(mode="sparse", dense_threshold=0)
+    m = load_model(
+        default_model_dir,
+        ops=get_backend("cpu").ops(),
+        dsa=DSAConfig(mode="sparse", dense_threshold=0),
     )
     ref = load_model(default_model_dir, ops=get_backend("cpu").ops())
     ps = prompts([70, 150], seed=3)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from dataclasses import replace
 
 import hpu_fake
 import pytest
@@ -94,9 +95,9 @@ def test_prefill_and_decode_through_the_hpu_backend(fake_hf, mx_dir, mode):
         window=8,
         static_union=mode == "union",
     )
-    want, _ = run_steps(load_model(mx_dir, ops=reference_ops()).set_dsa(dsa_cfg))
+    want, _ = run_steps(load_model(mx_dir, ops=reference_ops(), dsa=dsa_cfg))
 
-    model = load_model(mx_dir, ops=get_backend("hpu").ops()).set_dsa(dsa_cfg)
+    model = load_model(mx_dir, ops=get_backend("hpu").ops(), dsa=dsa_cfg)
     assert model.ops.name == "hpu" and model.ops.experts.name == "hpu-native"
     model.rope = norm_rope.DeviceRopeTable.from_host(model.rope, BUCKETS.max_model_len, "cpu")
     layers = [model.model.layers[str(i)] for i in model.layer_range]
@@ -141,8 +142,8 @@ def test_static_union_equals_the_exact_union(mx_dir):
     )
     outs = {}
     for static in (False, True):
-        model = load_model(mx_dir, ops=reference_ops())
-        model.set_dsa(DSAConfig(**{**cfg.__dict__, "static_union": static}))
+        dsa = DSAConfig(**{**cfg.__dict__, "static_union": static})
+        model = load_model(mx_dir, ops=reference_ops(), dsa=dsa)
         outs[static], guards = run_steps(model, CAP)
         union = [
             v
@@ -162,6 +163,15 @@ def test_static_union_gathers_the_union_with_static_sizes():
     from dist_glm5.model import dsa as D
     from dist_glm5.model.kv_cache import KeySlots
 
+    # the backend's attend_absorbed_chunked, counted: the static union must call it (it called
+    # the reference's whatever the backend was)
+    calls = []
+
+    def counted(*a):
+        calls.append(1)
+        return reference_ops().attend_absorbed_chunked(*a)
+
+    ref = replace(reference_ops(), attend_absorbed_chunked=counted)
     g = torch.Generator().manual_seed(1)
     L, k, bs, c, r, h, n = 700, 8, 16, 32, 8, 2, 12
     keys = KeySlots(torch.randperm(64, generator=g)[: -(-L // bs)], bs, L)
@@ -179,10 +189,12 @@ def test_static_union_gathers_the_union_with_static_sizes():
             window=window,
             union_max_frac=0.1,
         )
-        want = D.sparse_prefill(q_lat, q_rot, store, keys, keep, c, 0.1, cfg, topk=k)
+        want = D.sparse_prefill(q_lat, q_rot, store, keys, keep, c, 0.1, cfg, ref, topk=k)
         static = DSAConfig(**{**cfg.__dict__, "static_union": True})
         guard = StepGuard()
+        calls.clear()
         with guard:
-            got = D.sparse_prefill(q_lat, q_rot, store, keys, keep, c, 0.1, static, topk=k)
+            got = D.sparse_prefill(q_lat, q_rot, store, keys, keep, c, 0.1, static, ref, topk=k)
         assert not guard.violations, guard.violations
+        assert len(calls) == -(-n // window)  # one per window, through the ops handed in
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -25,8 +25,7 @@ from typing import Callable
 import torch
 
 from dist_glm5.model.dsa_config import DSAConfig
-from dist_glm5.ops import Ops, reference_ops
-from dist_glm5.ops.attention import attend_absorbed_chunked
+from dist_glm5.ops import Ops
 from dist_glm5.ops.gather import (
     attn_key_chunks,
     capped_chunks,
@@ -92,8 +91,8 @@ def select(
     topk: int,
     head_dim: int,
     cfg: DSAConfig,
+    ops: Ops,
     row_split: tuple[int, int, Callable] | None = None,
-    ops: Ops | None = None,
 ) -> torch.Tensor:
     """Keep-mask [n, L] for n query rows over the sequence's L keys (the backend's index scores
     and exact top-k; capped gathers).
@@ -106,7 +105,6 @@ def select(
         rank, ranks, exchange = row_split
         per = -(-n // ranks)
         rows = range(min(n, rank * per), min(n, (rank + 1) * per))
-    ops = ops or reference_ops()
     keep = torch.zeros(len(rows), L, dtype=torch.bool, device=q.device)
     step = score_rows(cfg, L)
     for a in range(rows.start, rows.stop, step):
@@ -145,14 +143,13 @@ def sparse_prefill(
     kv_lora: int,
     scale: float,
     cfg: DSAConfig,
-    ops: Ops | None = None,
+    ops: Ops,
     topk: int | None = None,
 ) -> torch.Tensor:
     """Prefill rows [n] over L keys (at most `topk` kept per row): each row over its own
     selected rows ("rows"), or per window the union of selections, or dense with the mask
     ("windows", by the backend's attend_absorbed_chunked)."""
     n, L = keep.shape
-    ops = ops or reference_ops()
     attend_absorbed_chunked = ops.attend_absorbed_chunked
     if cfg.prefill_attention == "rows":  # each query over its own selected rows: cost ~ top-k
         slots, valid = selected_slots(keep, keys, topk)
@@ -170,6 +167,7 @@ def sparse_prefill(
             continue
         if cfg.static_union and topk is not None:
             out[a:b] = _static_union(
+                attend_absorbed_chunked,
                 q_lat[a:b],
                 q_rot[a:b],
                 kv_store,
@@ -200,11 +198,14 @@ def sparse_prefill(
     return out
 
 
-def _static_union(q_lat, q_rot, kv_store, keys, win, kv_lora, scale, cfg, size: int):
+def _static_union(
+    attend_absorbed_chunked, q_lat, q_rot, kv_store, keys, win, kv_lora, scale, cfg, size
+):
     """One window over the union of its selections, with static shapes: `size` bounds the union
     (rows x top-k), so the choice between the dense form and the union is made from shapes alone;
     the union's positions are found as selected_slots finds a row's (a top-k of the mask bytes,
-    kept first, in key order), its unused places repeat the first kept key, masked."""
+    kept first, in key order), its unused places repeat the first kept key, masked.
+    attend_absorbed_chunked: the backend's (it was the reference's, whatever the backend)."""
     L = win.shape[1]
     if size > cfg.union_max_frac * L:
         return attend_absorbed_chunked(

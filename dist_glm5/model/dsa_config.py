@@ -31,6 +31,11 @@ class DSAConfig:
     # (`nonzero`) and the choice by its real size (the CPU's default)
     static_union: bool = False
 
+    @property
+    def sparse(self) -> bool:
+        """The scaled sparse path (else the dense masked reference)."""
+        return self.mode == "sparse"
+
     def __post_init__(self) -> None:
         if self.prefill_attention not in ("rows", "windows"):
             raise ValueError(

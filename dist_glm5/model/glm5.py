@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dist_glm5.model.config import ModelConfig
-from dist_glm5.model.dsa import DSAConfig
+from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.model.kv_cache import ForwardBatch, PagedKVCache
 from dist_glm5.model.layer import DecoderLayer
 from dist_glm5.model.mtp import MTPLayer
@@ -30,14 +30,17 @@ class Trunk(nn.Module):
         mtp: bool,
         experts: range | None,
         ops: Ops,
+        dsa: DSAConfig,
     ):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, ops, experts) for i in layers})
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(cfg, i, ops, experts, dsa) for i in layers}
+        )
         if mtp:
             for j in range(cfg.num_nextn_predict_layers):
                 n = cfg.num_hidden_layers + j
-                self.layers[str(n)] = MTPLayer(cfg, n, ops, experts)
+                self.layers[str(n)] = MTPLayer(cfg, n, ops, experts, dsa)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops) if head else None
 
 
@@ -52,10 +55,12 @@ class Glm5Model(nn.Module):
         experts: range | None = None,
         *,
         ops: Ops,
+        dsa: DSAConfig | None = None,
     ):
         """ops: the hot ops every layer runs (dist_glm5.ops.Ops), chosen by whoever builds the
         model (a worker: its backend's; a test or tool: `get_backend("cpu").ops()` or
-        `reference_ops()`): the model picks no backend itself."""
+        `reference_ops()`): the model picks no backend itself. dsa: how attention runs (the
+        dense masked reference by default, or the scaled sparse path), fixed at build time."""
         super().__init__()
         n = cfg.num_hidden_layers
         layers = range(n) if layers is None else layers
@@ -83,18 +88,11 @@ class Glm5Model(nn.Module):
                 f"0..{cfg.n_routed_experts - 1}"
             )
         self.ops = ops
-        self.model = Trunk(cfg, layers, embed, head, mtp, self.experts, self.ops)
+        self.dsa = dsa or DSAConfig()
+        self.model = Trunk(cfg, layers, embed, head, mtp, self.experts, self.ops, self.dsa)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
         self.has_mtp = mtp
         self.rope = RopeTable(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
-
-    def set_dsa(self, dsa: "DSAConfig") -> "Glm5Model":
-        """Choose the DSA attention path for every layer ('reference' or 'sparse', thresholds,
-        gather cap)."""
-        for mod in self.modules():
-            if hasattr(mod, "dsa") and hasattr(mod, "kv_b_proj"):
-                mod.dsa = dsa
-        return self
 
     # ---- what this model (stage) owns --------------------------------------------------
     @property

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from dist_glm5.model.config import ModelConfig
+from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.model.kv_cache import ForwardBatch, PagedKVCache
 from dist_glm5.model.mla import MLA
 from dist_glm5.model.moe import MLP, MoE
@@ -16,11 +17,18 @@ from dist_glm5.ops import Ops
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops, experts: range | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        ops: Ops,
+        experts: range | None = None,
+        dsa: DSAConfig | None = None,
+    ):
         super().__init__()
         self.layer = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = MLA(cfg, layer, ops)
+        self.self_attn = MLA(cfg, layer, ops, dsa)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = (
             MoE(cfg, ops, experts)

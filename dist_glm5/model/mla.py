@@ -8,7 +8,7 @@ The cache row per token is [kv_a_layernorm(latent) | roped k_rot].
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -22,8 +22,30 @@ from dist_glm5.model.norm import RMSNorm
 from dist_glm5.ops import Ops, reference_ops
 
 
+class Indexed(NamedTuple):
+    """A full layer's indexer output for one forward (shared layers have none)."""
+
+    q: torch.Tensor  # [T, hi, d] index queries
+    w: torch.Tensor  # [T, hi] head weights
+    store: torch.Tensor  # [slots, d] this layer's index keys (the cache's)
+
+
+class AttnIn(NamedTuple):
+    """What both attention forms read, for one forward of one layer."""
+
+    q_nope: torch.Tensor  # [T, h, nope]
+    q_rot: torch.Tensor  # [T, h, rope], roped
+    kv_store: torch.Tensor  # [slots, kv_lora + rope] this layer's cache rows
+    index: Indexed | None  # None on a 'shared' layer, which reuses prev_keep
+    prev_keep: list | None  # the previous full layer's selection per group
+
+
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops | None = None):
+    def __init__(
+        self, cfg: ModelConfig, layer: int, ops: Ops | None = None, dsa: DSAConfig | None = None
+    ):
+        """dsa: how attention runs, fixed at build time: the dense masked reference (the oracle)
+        or the scaled sparse path (dsa.py), with its caps."""
         super().__init__()
         self.layer = layer
         # the backend's hot ops (selection, index scores, attention forms, norm, rope)
@@ -50,9 +72,9 @@ class MLA(nn.Module):
         )
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.indexer = Indexer(cfg, self.ops) if cfg.has_indexer(layer) else None
-        self.dsa = (
-            DSAConfig()
-        )  # set by Glm5Model.set_dsa; "reference" masks densely, "sparse" gathers
+        self.dsa = dsa or DSAConfig()
+        # the attention form, chosen once here from the config (never per forward)
+        self.attend = self._sparse if self.dsa.sparse else self._dense
         # (rank, ranks, exchange): indexer rows split over a stage's ranks (set by stages/tp.py)
         self.row_split: tuple[int, int, Callable] | None = None
 
@@ -81,44 +103,40 @@ class MLA(nn.Module):
         kv_store = cache.kv[self.layer]
         kv_store[batch.write_slots] = torch.cat([latent, k_rot], dim=-1).to(kv_store.dtype)
 
+        index = None
         if self.indexer is not None:
             iq, ik, iw = self.indexer(x, q_resid, cos, sin)
             idx_store = cache.index_k[self.layer]
             idx_store[batch.write_slots] = ik.to(idx_store.dtype)
+            index = Indexed(iq, iw, idx_store)
         elif prev_keep is None:
             raise ValueError(
                 f"layer {self.layer} is a 'shared' DSA layer but no previous full layer's "
                 "selection was passed"
             )
+        out, keeps = self.attend(AttnIn(q_nope, q_rot, kv_store, index, prev_keep), batch)
+        return self.o_proj(out.reshape(T, h * self.v_dim)), keeps
 
-        if self.dsa.mode == "sparse":
-            return self._sparse(
-                x,
-                batch,
-                q_nope,
-                q_rot,
-                kv_store,
-                iq if self.indexer else None,
-                iw if self.indexer else None,
-                idx_store if self.indexer else None,
-                prev_keep,
-                h,
-            )
-        out = torch.empty(T, h, self.v_dim, dtype=x.dtype, device=x.device)
+    def _dense(self, a: AttnIn, batch: ForwardBatch) -> tuple[torch.Tensor, list]:
+        """The reference: every group over all its keys, the selection applied as a mask.
+        Returns out [T, h, v] and the keep-mask per group [B, n, L]."""
+        T, h = a.q_nope.shape[:2]
+        out = torch.empty(T, h, self.v_dim, dtype=a.q_nope.dtype, device=a.q_nope.device)
         keeps = []
         for gi, g in enumerate(batch.groups):
-            rows = kv_store[g.slots].to(x.dtype)  # [B, L, c + r]
-            if self.indexer is not None:
-                keep = self.select_dense(iq[g.tok], iw[g.tok], idx_store[g.slots], g.q_pos)
+            rows = a.kv_store[g.slots].to(a.q_nope.dtype)  # [B, L, c + r]
+            if a.index is not None:
+                ix = a.index
+                keep = self.select_dense(ix.q[g.tok], ix.w[g.tok], ix.store[g.slots], g.q_pos)
             else:
-                keep = prev_keep[gi]
+                keep = a.prev_keep[gi]
             keeps.append(keep)
             # decode-sized groups attend over the compressed latent; prefill expands it per head
             small = g.tok.shape[1] <= SMALL_CHUNK
             attn = self.ops.mla_absorbed if small else self.ops.mla_expanded
             o = attn(
-                q_nope[g.tok],
-                q_rot[g.tok],
+                a.q_nope[g.tok],
+                a.q_rot[g.tok],
                 rows[..., : self.kv_lora],
                 rows[..., self.kv_lora :],
                 self.kv_b_proj.weight,
@@ -128,7 +146,7 @@ class MLA(nn.Module):
             )
             # the valid rows by their indices (made on the host), not by a boolean mask
             out[g.tok.view(-1)[g.real]] = o.flatten(0, 1)[g.real]
-        return self.o_proj(out.reshape(T, h * self.v_dim)), keeps
+        return out, keeps
 
     def select_dense(self, iq, iw, keys, q_pos):
         # iq [B, n, hi, d], iw [B, n, hi], keys [B, L, d], q_pos [B, n] -> keep [B, n, L] bool
@@ -137,27 +155,31 @@ class MLA(nn.Module):
 
     def select_sparse(self, iq, iw, idx_store, keys, q_pos):
         # one sequence's rows: iq [n, hi, d], iw [n, hi], its L keys (KeySlots) -> keep [n, L] bool
+        hd = self.indexer.head_dim
         return dsa.select(
-            iq,
-            iw,
-            idx_store,
-            keys,
-            q_pos,
-            self.topk,
-            self.indexer.head_dim,
-            self.dsa,
-            self.row_split,
-            self.ops,
+            iq, iw, idx_store, keys, q_pos, self.topk, hd, self.dsa, self.ops, self.row_split
         )
 
-    def _sparse(self, x, batch, q_nope, q_rot, kv_store, iq, iw, idx_store, prev_keep, h):
-        """The scaled path (dist_glm5/dsa.py): per-row bisection top-k, capped gathers, union
-        windows."""
-        T = x.shape[0]
-        c = self.kv_lora
+    def _fused_select(self, n: int, small: bool) -> bool:
+        """Decode rows of a full layer select and gather in one scan of the index keys, when the
+        backend has that op and the rows are not split over ranks."""
+        return (
+            small
+            and self.indexer is not None
+            and self.row_split is None
+            and self.ops.select_rows is not None
+            and 0 < n <= self.ops.select_rows_max
+        )
+
+    def _sparse(self, a: AttnIn, batch: ForwardBatch) -> tuple[torch.Tensor, list]:
+        """The scaled path (dsa.py): per-row top-k, capped gathers; decode gathers exactly each
+        row's keys, prefill attends per row or per window (DSAConfig.prefill_attention).
+        Returns out [T, h, v] and the keep-masks per group, per sequence [n, L]."""
+        T, h = a.q_nope.shape[:2]
+        c, ix = self.kv_lora, a.index
         w = self.kv_b_proj.weight.view(h, -1, c)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        out = torch.empty(T, h, self.v_dim, dtype=x.dtype, device=x.device)
+        out = torch.empty(T, h, self.v_dim, dtype=a.q_nope.dtype, device=a.q_nope.device)
         keeps = []
         for gi, g in enumerate(batch.groups):
             small = g.tok.shape[1] <= SMALL_CHUNK
@@ -167,23 +189,23 @@ class MLA(nn.Module):
                 n_real = batch.chunks[g.chunk_ids[bi]].length
                 toks, qpos = g.tok[bi, :n_real], g.q_pos[bi, :n_real]
                 keys = g.keys[bi]  # positions 0..end-1 of this chunk's sequence
-                fused = (
-                    small
-                    and self.indexer is not None
-                    and self.row_split is None
-                    and self.ops.select_rows is not None
-                    and 0 < toks.numel() <= self.ops.select_rows_max
-                )
+                fused = self._fused_select(toks.numel(), small)
                 if fused:  # decode: one scan of the index keys, selection and slots at once
                     keep, s_, ok = self.ops.select_rows(
-                        iq[toks], iw[toks], idx_store, keys, qpos, self.topk, self.indexer.head_dim
+                        ix.q[toks],
+                        ix.w[toks],
+                        ix.store,
+                        keys,
+                        qpos,
+                        self.topk,
+                        self.indexer.head_dim,
                     )
-                elif self.indexer is not None:
-                    keep = self.select_sparse(iq[toks], iw[toks], idx_store, keys, qpos)
+                elif ix is not None:
+                    keep = self.select_sparse(ix.q[toks], ix.w[toks], ix.store, keys, qpos)
                 else:
-                    keep = prev_keep[gi][bi]
+                    keep = a.prev_keep[gi][bi]
                 gkeep.append(keep)
-                q_lat = torch.einsum("nhd,hdc->nhc", q_nope[toks], w_uk)
+                q_lat = torch.einsum("nhd,hdc->nhc", a.q_nope[toks], w_uk)
                 if small:  # decode: gather exactly each row's selected keys
                     if not fused:
                         s_, ok = dsa.selected_slots(keep, keys, self.topk)
@@ -194,8 +216,8 @@ class MLA(nn.Module):
                 else:
                     o_lat = dsa.sparse_prefill(
                         q_lat,
-                        q_rot[toks],
-                        kv_store,
+                        a.q_rot[toks],
+                        a.kv_store,
                         keys,
                         keep,
                         c,
@@ -204,20 +226,20 @@ class MLA(nn.Module):
                         self.ops,
                         self.topk,
                     )
-                    out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(x.dtype), w_uv)
+                    out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(out.dtype), w_uv)
             if small:
                 toks = torch.cat([t for t, _ in toks_all])
                 q_lat = torch.cat([q for _, q in toks_all])
                 o_lat = self.ops.attend_gathered(
                     q_lat,
-                    q_rot[toks],
-                    kv_store,
+                    a.q_rot[toks],
+                    a.kv_store,
                     torch.cat(sel),
                     torch.cat(sel_ok),
                     c,
                     self.scale,
                     self.dsa.gather_cap_bytes,
                 )
-                out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(x.dtype), w_uv)
+                out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(out.dtype), w_uv)
             keeps.append(gkeep)
-        return self.o_proj(out.reshape(T, h * self.v_dim)), keeps
+        return out, keeps

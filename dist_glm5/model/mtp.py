@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from dist_glm5.model.config import ModelConfig
+from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.model.kv_cache import ForwardBatch, PagedKVCache
 from dist_glm5.model.layer import DecoderLayer
 from dist_glm5.model.norm import RMSNorm
@@ -34,8 +35,15 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops, experts: range | None = None):
-        super().__init__(cfg, layer, ops, experts)
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        ops: Ops,
+        experts: range | None = None,
+        dsa: DSAConfig | None = None,
+    ):
+        super().__init__(cfg, layer, ops, experts, dsa)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
