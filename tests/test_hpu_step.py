@@ -5,8 +5,9 @@ The MXFP4 model (the embedded default, converted) is built with `get_backend("hp
 experts through the native MoE op (fake), DSA selection through the int32 bisection, index scores,
 attention (FusedSDPA / absorbed in the dense mode, gathered and chunked in the sparse one),
 RMSNorm and RoPE through the hpu package, every one chosen at construction through the seam. The
-RoPE table is swapped by hand for the device table here (a stage worker on hpu does it through
-backends/hpu/stage.py). The step equals the CPU reference step; the guard lists what a Gaudi graph
+steps run through the backend's own stage runtime (HpuStage, as a stage worker runs them: the
+device RoPE table, a mark_step per layer, steps and contexts padded to buckets, the batch's index
+tensors on the device). The step equals the CPU reference step; the guard lists what a Gaudi graph
 could not take, and every item it finds is in a model file named in PENDING.
 """
 
@@ -21,9 +22,10 @@ import pytest
 import torch
 
 from dist_glm5.backends import get_backend
-from dist_glm5.backends.hpu import norm_rope, runtime
+from dist_glm5.backends.hpu import norm_rope
 from dist_glm5.backends.hpu.buckets import BucketConfig, Linear
 from dist_glm5.backends.hpu.guard import StepGuard
+from dist_glm5.backends.hpu.stage import HpuStage
 from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.model.dsa import DSAConfig
 from dist_glm5.model.kv_cache import Chunk
@@ -57,22 +59,47 @@ def mx_dir(default_model_dir, tmp_path_factory):
     return d
 
 
-def run_steps(model, guard_cap=None):
-    """Prefill two sequences (one chunk each), then decode both in one step; returns the last
-    hidden rows of each step and the guard of every step."""
-    cache = model.new_cache(40, BUCKETS.block_size)
+def _steps():
+    """Two sequences prefilled (one chunk each), then both decoded in one step."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (PROMPT,), generator=g) for _ in range(2)]
-    outs, guards = [], []
     steps = [([Chunk(i, 0, PROMPT)], p) for i, p in enumerate(prompts)]
     steps.append(([Chunk(0, PROMPT, 1), Chunk(1, PROMPT, 1)], torch.tensor([7, 9])))
-    for chunks, ids in steps:
+    return steps
+
+
+def run_steps(model, guard_cap=None):
+    """The steps on a model as built (the CPU's way: no runtime); returns the last hidden rows of
+    each step's sequences and the guard of every step."""
+    cache = model.new_cache(40, BUCKETS.block_size)
+    outs, guards = [], []
+    for chunks, ids in _steps():
         batch = cache.prepare(chunks)
         stores = [*cache.kv.values(), *cache.index_k.values()]
         guard = StepGuard(guard_cap or 1 << 40, stores)
         with torch.no_grad(), guard:
             h, _ = model(ids, batch, cache)
             outs.append(model.final_norm(h[[b - 1 for _, b in batch.spans]]))
+        guards.append(guard)
+    return outs, guards
+
+
+def run_stage(stage, guard_cap):
+    """The same steps through the hpu backend's stage runtime (HpuStage, as a worker runs it):
+    its cache, its padded and device-placed batches, its forward."""
+    cache = stage.new_cache(stage.model.cfg, stage.model.cache_layers, stage.model.dtype)
+    blocks = {0: [0, 1, 2, 3, 4, 5], 1: [6, 7, 8, 9, 10, 11]}  # the scheduler's part
+    for sid, b in blocks.items():
+        cache.assign(sid, b)
+    outs, guards = [], []
+    for chunks, ids in _steps():
+        batch = stage.prepare(cache, chunks)
+        x = stage.inputs(ids, batch.num_tokens)
+        guard = StepGuard(guard_cap, [*cache.kv.values(), *cache.index_k.values()])
+        with torch.no_grad(), guard:
+            h, _ = stage.forward(x, batch, cache)
+            # the plan's chunks come first; the padding's rows are never read
+            outs.append(stage.model.final_norm(h[[b - 1 for _, b in batch.spans[: len(chunks)]]]))
         guards.append(guard)
     return outs, guards
 
@@ -86,7 +113,7 @@ def sites(guards):
 # "union": contexts above dense_threshold, where each prefill window attends over the union of
 # its selections, found with a static size (DSAConfig.static_union, Gaudi's rule)
 @pytest.mark.parametrize("mode", ["sparse", "dense", "union"])
-def test_prefill_and_decode_through_the_hpu_backend(fake_hf, mx_dir, mode):
+def test_prefill_and_decode_through_the_hpu_stage(fake_hf, mx_dir, mode, monkeypatch):
     dsa_cfg = DSAConfig(
         mode="reference" if mode == "dense" else "sparse",
         gather_cap_bytes=CAP,
@@ -97,12 +124,23 @@ def test_prefill_and_decode_through_the_hpu_backend(fake_hf, mx_dir, mode):
     )
     want, _ = run_steps(load_model(mx_dir, ops=reference_ops(), dsa=dsa_cfg))
 
-    model = load_model(mx_dir, ops=get_backend("hpu").ops(), dsa=dsa_cfg)
+    monkeypatch.setenv("DIST_GLM5_HPU_DEVICE", "cpu")  # the fake's device: calls, not a card
+    backend = get_backend("hpu")
+    model = load_model(mx_dir, ops=backend.ops(), dsa=dsa_cfg)
     assert model.ops.name == "hpu" and model.ops.experts.name == "hpu-native"
-    model.rope = norm_rope.DeviceRopeTable.from_host(model.rope, BUCKETS.max_model_len, "cpu")
+    # the backend's own stage runtime, as stages/worker.py asks for it
+    stage = backend.stage(
+        model,
+        blocks=16,
+        block_size=BUCKETS.block_size,
+        max_model_len=BUCKETS.max_model_len,
+        gather_cap_bytes=CAP,
+        name="s0-r0",
+        buckets=BUCKETS,
+    )
+    assert isinstance(stage, HpuStage) and isinstance(model.rope, norm_rope.DeviceRopeTable)
     layers = [model.model.layers[str(i)] for i in model.layer_range]
-    runtime.add_layer_mark_steps(layers)
-    got, guards = run_steps(model, None if mode == "dense" else CAP)
+    got, guards = run_stage(stage, CAP if mode != "dense" else 1 << 40)
 
     for a, b in zip(got, want):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
