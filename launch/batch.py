@@ -136,73 +136,27 @@ def run(args: argparse.Namespace) -> int:
     verdict.check()  # raises naming what would fit
     if args.dry_run:
         return 0
-    if out_path.exists() and out_path.read_bytes() and not out_path.read_bytes().endswith(b"\n"):
-        with open(
-            out_path, "ab"
-        ) as f:  # close a torn line so the next result starts on its own line
-            f.write(b"\n")
     engine = build_engine(engine_config(args, d, max_model_len=ctx, cache_blocks=blocks))
-    pending: dict[int, dict] = {}
     progress = Progress(args.progress_interval, args.chunk_tokens)
-    # Fault injection for the resume tests: right after this many result lines, send this process
-    # a signal (KILL by default; "3:INT" for Ctrl-C), a deterministic point (polling the file
-    # from outside races the job's end).
-    when, _, sig = os.environ.get("DIST_GLM5_BATCH_KILL_AFTER", "0").partition(":")
-    kill_after, kill_sig = int(when), getattr(signal, f"SIG{sig or 'KILL'}")
-    written = 0
-    interrupted = threading.Event()
-
-    def on_sigint(*_):
-        if interrupted.is_set():  # a second Ctrl-C: stop at once
-            raise KeyboardInterrupt
-        interrupted.set()
-        log.warning("interrupted: finishing the current step, then stopping (Ctrl-C again: now)")
-
-    old_handler = signal.signal(signal.SIGINT, on_sigint)
-    # no bar when stderr is not a terminal (a log file): the progress lines say it all
-    bar = tqdm(
-        total=len(jobs), initial=len(jobs) - len(todo), desc="batch", unit="prompt", disable=None
-    )
-    try:
-        with open(out_path, "a") as out, logging_redirect_tqdm():
-
-            def write(obj):
-                nonlocal written
-                out.write(json.dumps(obj) + "\n")
-                out.flush()
-                os.fsync(out.fileno())
-                bar.update()
-                written += 1
-                if written == kill_after:
-                    os.kill(os.getpid(), kill_sig)
-
-            for j, ids, params, error in prepared:
-                try:
-                    if error is not None:
-                        raise ValueError(error)
-                    seq = engine.add(ids, params)
-                    pending[seq.seq_id] = j
-                    progress.added(seq)
-                except (ValueError, TypeError) as e:
-                    write({"id": j["id"], "error": str(e)})
-            # results are written between steps: an interrupt never tears a line
-            while pending and not interrupted.is_set():
-                done = engine.step()
-                progress.stepped([s for s in engine.scheduler.running if s.seq_id in pending], done)
-                for seq in done:
-                    j = pending.pop(seq.seq_id, None)
-                    if j is not None:
-                        r = _result(j, seq, tok is not None)
-                        if "error" not in r:
-                            r["timing"] = progress.record(seq, stage_peaks(engine))
-                            log.info("job %s: %s", j["id"], _summary(r["timing"]))
-                        write(r)
-    except KeyboardInterrupt:
-        interrupted.set()
-    finally:
-        signal.signal(signal.SIGINT, old_handler)
-        bar.close()
-        engine.close()
+    pending: dict[int, dict] = {}
+    with Interrupt() as interrupted:
+        try:
+            with Results(out_path, len(jobs), len(jobs) - len(todo)) as write:
+                for j, ids, params, error in prepared:
+                    try:
+                        if error is not None:
+                            raise ValueError(error)
+                        seq = engine.add(ids, params)
+                        pending[seq.seq_id] = j
+                        progress.added(seq)
+                    except (ValueError, TypeError) as e:
+                        write({"id": j["id"], "error": str(e)})
+                while pending and not interrupted.is_set():
+                    _step(engine, pending, progress, tok is not None, write)
+        except KeyboardInterrupt:
+            interrupted.set()
+        finally:
+            engine.close()
     if interrupted.is_set():
         log.warning(
             "stopped with %d of %d prompts unanswered; rerun the same command to resume "
@@ -212,6 +166,79 @@ def run(args: argparse.Namespace) -> int:
         )
         return 130
     return 0
+
+
+def _step(engine, pending: dict[int, dict], progress: "Progress", text: bool, write) -> None:
+    """One engine step; each finished job's result (with its timing) written. Results are written
+    between steps: an interrupt never tears a line."""
+    done = engine.step()
+    progress.stepped([s for s in engine.scheduler.running if s.seq_id in pending], done)
+    for seq in done:
+        j = pending.pop(seq.seq_id, None)
+        if j is not None:
+            r = _result(j, seq, text)
+            if "error" not in r:
+                r["timing"] = progress.record(seq, stage_peaks(engine))
+                log.info("job %s: %s", j["id"], _summary(r["timing"]))
+            write(r)
+
+
+class Interrupt:
+    """Ctrl-C while a job runs: the first one lets the current step finish and stops after it
+    (the event is set); a second one stops at once (KeyboardInterrupt)."""
+
+    def __enter__(self) -> threading.Event:
+        self.event = threading.Event()
+        self.old = signal.signal(signal.SIGINT, self._on_sigint)
+        return self.event
+
+    def _on_sigint(self, *_):
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        self.event.set()
+        log.warning("interrupted: finishing the current step, then stopping (Ctrl-C again: now)")
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self.old)
+
+
+class Results:
+    """The output file, one JSON line per answered job, each flushed and fsynced (a rerun skips
+    the ids it holds), with a progress bar over the jobs (none when stderr is not a terminal: the
+    progress lines say it all)."""
+
+    def __init__(self, path: Path, total: int, done: int):
+        self.path, self.written = path, 0
+        data = path.read_bytes() if path.exists() else b""
+        if data and not data.endswith(b"\n"):  # a torn line from a kill: close it
+            with open(path, "ab") as f:
+                f.write(b"\n")
+        self.bar = tqdm(total=total, initial=done, desc="batch", unit="prompt", disable=None)
+        # Fault injection for the resume tests: right after this many result lines, send this
+        # process a signal (KILL by default; "3:INT" for Ctrl-C), a deterministic point (polling
+        # the file from outside races the job's end).
+        when, _, sig = os.environ.get("DIST_GLM5_BATCH_KILL_AFTER", "0").partition(":")
+        self.kill_after, self.kill_sig = int(when), getattr(signal, f"SIG{sig or 'KILL'}")
+
+    def __enter__(self):
+        self.file = open(self.path, "a")
+        self.redirect = logging_redirect_tqdm()
+        self.redirect.__enter__()
+        return self.write
+
+    def write(self, obj: dict) -> None:
+        self.file.write(json.dumps(obj) + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.bar.update()
+        self.written += 1
+        if self.written == self.kill_after:
+            os.kill(os.getpid(), self.kill_sig)
+
+    def __exit__(self, *exc) -> None:
+        self.redirect.__exit__(*exc)
+        self.file.close()
+        self.bar.close()
 
 
 def _show_progress() -> None:
