@@ -91,8 +91,8 @@ def test_long_prompt_two_stages_equals_one_process_within_planned_memory(default
     }
     print({s: (round(g / 2**20, 1), round(p / 2**20, 1)) for s, (g, p) in grown.items()})
     for stage, (grew, plan_grew) in grown.items():
-        # The cache pages the longer prompt touches must show. KNOWN GAP: the planner counts the
-        # cache and the held keep-masks, but measured growth was 2.2x that on stage 0 (142 MB vs
-        # 66 MB planned, 8K -> 32K): prefill workspace that grows with context is not yet in
-        # planning/worker_memory.py. Bounded at 3x until the planner accounts for it.
-        assert 0.25 * plan_grew < grew <= 3 * plan_grew, (stage, grew / 2**20, plan_grew / 2**20)
+        # The planner's context-dependent terms (cache pages, keep-masks, the indexer's score
+        # temporaries, the capped gathers) against what the longer prompt added: 61.6 / 55.6 MiB
+        # measured against 65.7 planned (0.94x / 0.85x) here, 8K -> 32K. It was 142 MB against
+        # 66 before the score temporaries were measured into the plan.
+        assert 0.8 * plan_grew <= grew <= 1.2 * plan_grew, (stage, grew / 2**20, plan_grew / 2**20)
