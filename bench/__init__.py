@@ -18,6 +18,7 @@ def register(p: argparse.ArgumentParser) -> None:
         long_job,
         longctx,
         netns,
+        peers,
         pipeline,
         probe_server,
         quality,
@@ -36,6 +37,11 @@ def register(p: argparse.ArgumentParser) -> None:
     decode.register(
         sub.add_parser(
             "decode", help="small model decode/prefill: MXFP4 vs BF16 vs transformers vs roofline"
+        )
+    )
+    peers.register(
+        sub.add_parser(
+            "peers", help="ours vs llama.cpp (built here) on the small model: tok/s and ratio"
         )
     )
     encoder.register(
