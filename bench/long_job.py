@@ -152,8 +152,11 @@ def run(args: argparse.Namespace) -> int:
         one = batch_argv(args, prompts, d / "results-1-process.jsonl", 1)
         log.info("running the reference: launch %s", " ".join(one[1:]))
         ref, ref_wall = run_batch(one, level)
-        res["one_process"] = {"token_ids": ref["token_ids"], "ttft_s": ref["timing"]["ttft_s"],
-                              "wall_s": ref_wall}  # fmt: skip
+        res["one_process"] = {
+            "token_ids": ref["token_ids"],
+            "ttft_s": ref["timing"]["ttft_s"],
+            "wall_s": ref_wall,
+        }
         res["equal"] = ref["token_ids"] == rec["token_ids"]
     (d / "summary.json").write_text(json.dumps(res, indent=1))
     print(f"{tokens} tokens through {args.stages} stage(s) ({args.address or 'local Ray'})")
@@ -163,8 +166,10 @@ def run(args: argparse.Namespace) -> int:
         f"{t['ttft_s'] / bound:.2f}x; prefill {t['prefill_tok_s']:.0f} tokens/s"
     )
     for s, v in t["peak_rss_mib"].items():
-        print(f"  stage {s}: peak RSS {v:.0f} MiB (measured), plan {plan[s]:.0f} MiB (computed) "
-              f"-> {v / plan[s]:.2f}x")  # fmt: skip
+        print(
+            f"  stage {s}: peak RSS {v:.0f} MiB (measured), plan {plan[s]:.0f} MiB (computed) "
+            f"-> {v / plan[s]:.2f}x"
+        )
     print(f"  tokens {rec['token_ids']}")
     if args.compare_one_process:
         same = "equal" if res["equal"] else "DIFFER"

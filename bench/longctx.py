@@ -200,8 +200,15 @@ def run(args: argparse.Namespace) -> int:
             nt = args.threads if st == 1 else 1
             bound = (f["indexer"] + f["attention"]) / (rate[nt] * (1 if st == 1 else st))
             r = sub(_TTFT, T, st, nt, CHUNK)
-            row = {"context": T, "stages": st, "threads_per_worker": nt, "bound_s": bound,
-                   "flops": f, "planned_mb": planned_mb(cfg, T, st), **(r or {})}  # fmt: skip
+            row = {
+                "context": T,
+                "stages": st,
+                "threads_per_worker": nt,
+                "bound_s": bound,
+                "flops": f,
+                "planned_mb": planned_mb(cfg, T, st),
+                **(r or {}),
+            }
             res["ttft"].append(row)
             if r is None:
                 print(f"  {T:>7} x {st} stage(s): failed")
@@ -242,10 +249,13 @@ def run(args: argparse.Namespace) -> int:
         b = s.topk(k).values[:, -1]
         tt = time.perf_counter() - t
         assert torch.equal(a, b)
-        res["topk"].append({"rows": rows, "L": L, "k": k, "bisect_ms": tb * 1e3,
-                            "topk_ms": tt * 1e3})  # fmt: skip
-        print(f"  {rows:>4} x {L:>6}, k={k}: bisection {tb * 1e3:8.2f} ms, torch.topk "
-              f"{tt * 1e3:8.2f} ms (ratio {tb / tt:.1f})")  # fmt: skip
+        res["topk"].append(
+            {"rows": rows, "L": L, "k": k, "bisect_ms": tb * 1e3, "topk_ms": tt * 1e3}
+        )
+        print(
+            f"  {rows:>4} x {L:>6}, k={k}: bisection {tb * 1e3:8.2f} ms, torch.topk "
+            f"{tt * 1e3:8.2f} ms (ratio {tb / tt:.1f})"
+        )
     if args.output:
         Path(args.output).write_text(json.dumps(res, indent=1))
     return 0

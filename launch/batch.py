@@ -300,8 +300,12 @@ class MemoryPlan:
 
     def __init__(self, stages: list, capacity: int, ctx: int, blocks: int, args):
         self.stages, self.capacity, self.ctx, self.blocks, self.args = (
-            stages, capacity, ctx, blocks, args
-        )  # fmt: skip
+            stages,
+            capacity,
+            ctx,
+            blocks,
+            args,
+        )
 
     @property
     def text(self) -> str:

@@ -43,12 +43,12 @@ def test_tokenizer_is_deterministic(tmp_path):
 
 
 # two records of `llama-bench -m small-bf16.gguf -t 1 -r 3 -p 128 -n 32 -d 0,128,4096 -o json`
-# (pp128 at depth 0, tg32 at depth 4096), verbatim
+# (pp128 at depth 0, tg32 at depth 4096), verbatim but for the model's directory
 LLAMA_BENCH_JSON = """
 [
  {"build_commit": "unknown", "build_number": 11434, "cpu_info": "AMD EPYC", "gpu_info": "",
   "backends": "CPU",
-  "model_filename": "/root/.cache/dist_glm5/peers/llama.cpp-b11434/gguf/small-bf16.gguf",
+  "model_filename": "DIST_GLM5_HOME/peers/llama.cpp-b11434/gguf/small-bf16.gguf",
   "model_type": "glm-dsa ?B BF16", "model_size": 1507940096, "model_n_params": 753423808,
   "n_batch": 2048, "n_ubatch": 512, "n_threads": 1, "cpu_mask": "0x0", "cpu_strict": false,
   "poll": 50, "type_k": "f16", "type_v": "f16", "n_gpu_layers": -1, "n_cpu_moe": 0,
@@ -61,7 +61,7 @@ LLAMA_BENCH_JSON = """
   "samples_ns": [1303962061, 1335997557, 1373719152], "samples_ts": [98.1624, 95.8086, 93.1777]},
  {"build_commit": "unknown", "build_number": 11434, "cpu_info": "AMD EPYC", "gpu_info": "",
   "backends": "CPU",
-  "model_filename": "/root/.cache/dist_glm5/peers/llama.cpp-b11434/gguf/small-bf16.gguf",
+  "model_filename": "DIST_GLM5_HOME/peers/llama.cpp-b11434/gguf/small-bf16.gguf",
   "model_type": "glm-dsa ?B BF16", "model_size": 1507940096, "model_n_params": 753423808,
   "n_batch": 2048, "n_ubatch": 512, "n_threads": 1, "cpu_mask": "0x0", "cpu_strict": false,
   "poll": 50, "type_k": "f16", "type_v": "f16", "n_gpu_layers": -1, "n_cpu_moe": 0,
@@ -91,11 +91,23 @@ BATCHED_BENCH_TEXT = (
 
 def test_parse_llama_bench():
     assert parse_llama_bench(LLAMA_BENCH_JSON) == [
-        {"test": "pp", "tokens": 128, "depth": 0, "threads": 1, "tok_s": 95.71621,
-         "stddev": 2.493612},
-        {"test": "tg", "tokens": 32, "depth": 4096, "threads": 1, "tok_s": 33.259251,
-         "stddev": 3.887018},
-    ]  # fmt: skip
+        {
+            "test": "pp",
+            "tokens": 128,
+            "depth": 0,
+            "threads": 1,
+            "tok_s": 95.71621,
+            "stddev": 2.493612,
+        },
+        {
+            "test": "tg",
+            "tokens": 32,
+            "depth": 4096,
+            "threads": 1,
+            "tok_s": 33.259251,
+            "stddev": 3.887018,
+        },
+    ]
 
 
 def test_parse_batched_bench():
@@ -105,8 +117,18 @@ def test_parse_batched_bench():
         (8, 1280, 54.24),
         (32, 5120, 72.08),
     ]
-    assert rows[0] == {"pp": 128, "tg": 32, "b": 1, "n_kv": 160, "t_pp": 1.349, "s_pp": 94.88,
-                       "t_tg": 0.828, "s_tg": 38.64, "t": 2.177, "s": 73.49}  # fmt: skip
+    assert rows[0] == {
+        "pp": 128,
+        "tg": 32,
+        "b": 1,
+        "n_kv": 160,
+        "t_pp": 1.349,
+        "s_pp": 94.88,
+        "t_tg": 0.828,
+        "s_tg": 38.64,
+        "t": 2.177,
+        "s": 73.49,
+    }
     assert parse_batched_bench("llama_batched_bench: n_kv_max = 8192\n\nmain: done\n") == []
 
 

@@ -37,8 +37,9 @@ print(json.dumps({"before": rss, "peak": peak_rss_mb()}))
 def test_a_full_layers_selection_holds_what_the_planner_counts():
     # 300K keys: past the point (233K at 256 rows) where the gather cap limits the row block
     L, n = 300_000, 256
-    r = subprocess.run([sys.executable, "-c", _SELECT, str(L), str(n)], capture_output=True,
-                       text=True, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", _SELECT, str(L), str(n)], capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     m = json.loads(r.stdout.splitlines()[-1])
     grew = (m["peak"] - m["before"]) * 2**20
