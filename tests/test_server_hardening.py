@@ -105,7 +105,8 @@ def test_idle_sockets_are_shed_and_closed_while_requests_go_on(server):
         assert stats.evicted > evicted0  # shed to make room, not refused
         closed = [_read_all(s, LIMITS.header_timeout + 5) for s in idle]
         assert all(data == b"" for data, _ in closed)  # idle sockets closed without a word
-        assert max(t for _, t in closed) < LIMITS.header_timeout + 5
+        # each closed by the server (inf: our read's window, a hang guard, ran out first)
+        assert all(t < float("inf") for _, t in closed), closed
         assert stats.head_timeouts > timeouts0
     finally:
         for s in idle:
@@ -116,19 +117,20 @@ def test_a_slowloris_head_is_cut_off_with_a_408(server):
     s = socket.create_connection(_addr(server))
     t0 = time.monotonic()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-    sent = 0
+    sent, cut_off = 0, False
     try:  # a byte every 0.2 s: each byte must not extend the deadline
         while time.monotonic() - t0 < LIMITS.header_timeout + 3:
             s.sendall(b"X-Slow: a\r\n"[sent % 11 : sent % 11 + 1])
             sent += 1
             time.sleep(0.2)
     except (BrokenPipeError, ConnectionResetError):
-        pass
+        cut_off = True
     data, _ = _read_all(s, 5)
     s.close()
     status, err = _error(data)
     assert status == 408 and err["code"] == "header_timeout", err
-    assert time.monotonic() - t0 < LIMITS.header_timeout + 4
+    # the server hung up on a client still sending its head: the bytes never bought more time
+    assert cut_off, f"the connection stayed open through {sent} header bytes"
 
 
 def test_a_kept_alive_connection_is_closed_after_its_idle_timeout(server):
@@ -138,7 +140,8 @@ def test_a_kept_alive_connection_is_closed_after_its_idle_timeout(server):
     assert s.recv(65536).startswith(b"HTTP/1.1 200")
     _, closed_after = _read_all(s, LIMITS.keep_alive_timeout + 5)
     s.close()
-    assert closed_after < LIMITS.keep_alive_timeout + 2
+    # the server closed it (our read's window is only a hang guard), and not before its timeout
+    assert LIMITS.keep_alive_timeout - 1 <= closed_after < float("inf"), closed_after
 
 
 def test_a_stalled_body_is_a_408_and_a_large_one_a_413_in_openais_shape(server):
