@@ -1,11 +1,12 @@
-"""The DSA indexer scan + exact top-k for a few query rows, in C (kernels/dsa_select.c).
+"""The DSA indexer scan + exact top-k for query rows of one sequence, in C (kernels/dsa_select.c).
 
 `select_rows(q, w, idx_store, keys, q_pos, topk, head_dim)` -> (keep [n, L] bool, slots [n, k],
 valid [n, k]): the same contract as scoring with `ops/indexer.index_scores` in capped chunks,
 selecting with `ops/topk.select_topk_*` and listing with `model/dsa.selected_slots`, which stay
-the reference beside it. For decode (a few rows over a long context) it reads each index key once
-instead of five passes. `available()` is False when the kernel cannot build or
-DIST_GLM5_KERNELS=0; callers then take the torch path.
+the reference beside it. Decode (a few rows over a long context) reads each index key once instead
+of five passes; prefill (many rows) scores at the GEMM rate and selects in two passes per row, with
+no [rows, keys] masks. `available()` is False when the kernel cannot build or DIST_GLM5_KERNELS=0;
+callers then take the torch path.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from .build import disabled, load
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("dsa_select.c")
-MAX_ROWS = 16  # more rows than this: the GEMM path (keys reused across rows) is faster
 
 _lib: ctypes.CDLL | None = None
 _loaded = False
 _lock = threading.Lock()
+_scratch = threading.local()  # per thread: the scores buffer, kept between calls
 
 
 def _library() -> ctypes.CDLL | None:
@@ -51,9 +52,23 @@ def available() -> bool:
     return _library() is not None
 
 
-def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int):
+def _scores(n: int, L: int) -> torch.Tensor:
+    """A [n, L] fp32 buffer from this thread's scratch: a long prefill calls once per layer with
+    the same size, and faulting in a fresh buffer each time cost a third of the call here (page
+    faults at about 0.7 GB/s in this VM). Held until a larger one is needed (the planner's score
+    term)."""
+    buf = getattr(_scratch, "scores", None)
+    if buf is None or buf.numel() < n * L:
+        _scratch.scores = buf = None  # free the old one before the new one faults in
+        _scratch.scores = buf = torch.empty(n * L, dtype=torch.float32)
+    return buf[: n * L].view(n, L)
+
+
+def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int, keep=None):
     """q [n, Hi, D], w [n, Hi] fp32, idx_store [S, D] (bf16 or fp32), keys: KeySlots of the
-    sequence, q_pos [n] -> (keep [n, L], slots [n, k], valid [n, k]), k = min(topk, L)."""
+    sequence, q_pos [n] -> (keep [n, L], slots [n, k], valid [n, k]), k = min(topk, L).
+    keep: an all-False [n, L] bool block to fill (a row block of the caller's mask), else a new
+    one."""
     lib = _library()
     n, H, D = q.shape
     L = len(keys)
@@ -65,7 +80,7 @@ def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int):
     store = idx_store if idx_store.is_contiguous() else idx_store.contiguous()
     table = keys.table.to(torch.int64).contiguous()
     qp = q_pos.to(torch.int64).contiguous()
-    scores = torch.empty(n, L, dtype=torch.float32)
+    scores = _scores(n, L)
     pos = torch.zeros(n, k, dtype=torch.int64)
     cnt = torch.empty(n, dtype=torch.int32)
     rc = lib.dsa_select(
@@ -87,9 +102,10 @@ def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int):
         torch.get_num_threads(),
     )
     if rc != 0:
-        raise RuntimeError(f"dsa_select failed ({rc}): index_head_dim {D} > 256?")
+        raise RuntimeError(f"dsa_select failed ({rc}): index_head_dim {D} > 256, or out of memory")
     valid = torch.arange(k) < cnt[:, None]
     pos = torch.where(valid, pos, pos[:, :1])  # padding repeats the first pick
-    keep = torch.zeros(n, L, dtype=torch.bool)
+    if keep is None:
+        keep = torch.zeros(n, L, dtype=torch.bool)
     keep.scatter_(1, pos, True)  # padding repeats a kept position
     return keep, keys.at(pos), valid

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from runtime_util import prompts
@@ -168,10 +170,12 @@ class CacheReads(TorchDispatchMode):
 
 def _cache_reads_of_a_run(model_dir, cap):
     """Prefill two prompts (250 and 90 tokens, one forward) and decode 4 greedy steps on the
-    sparse path with the given gather cap, recording every materialised cache read."""
+    sparse path with the given gather cap, recording every materialised cache read. The torch
+    selection path (ranks that split rows take it), which gathers index keys: the fused kernel
+    reads them in place, 64 rows at a time, and materialises none."""
     m = load_model(
         model_dir,
-        ops=get_backend("cpu").ops(),
+        ops=dataclasses.replace(get_backend("cpu").ops(), select_rows=None),
         dsa=DSAConfig(
             mode="sparse", dense_threshold=0, window=8, gather_cap_bytes=cap, indexer_row_chunk=7
         ),

@@ -1,8 +1,10 @@
-"""The fused decode selection (kernels/dsa_select.c) against the torch path it replaces: index
-scores in capped chunks, the exact top-k with the reference tie rule, the slot list. Keys in
-blocks scattered through the store, a partial last block, rows with fewer causal keys than top-k,
-bf16 and fp32 stores, and integer-valued data where scores tie exactly (sums of small integers
-times a power of two are exact in any order, so the tie rule itself is compared)."""
+"""The fused selection (kernels/dsa_select.c) against the torch path it replaces: index scores in
+capped chunks, the exact top-k with the reference tie rule, the slot list. Keys in blocks
+scattered through the store, a partial last block, rows with fewer causal keys than top-k, bf16
+and fp32 stores, head counts off the kernel's tile of 4, decode-sized and prefill-sized row
+counts, the row blocks `dsa.select_fused` splits a chunk into, and integer-valued data where
+scores tie exactly (sums of small integers times a power of two are exact in any order, so the
+tie rule itself is compared)."""
 
 from __future__ import annotations
 
@@ -21,33 +23,67 @@ def torch_path(q, w, store, keys, q_pos, topk, D):
     return (keep, *dsa.selected_slots(keep, keys, topk))
 
 
+def case(L, dtype, integers, n=3, H=8, seed=0):
+    g = torch.Generator().manual_seed(L + seed)
+    # integers: D = 64 makes the score scale 1/8, so every score is exact in any summation order
+    bs, D = 16, (64 if integers else 32)
+    nblk = -(-L // bs)
+    store_blocks = nblk + 7
+    if integers:  # many exact ties
+        store = torch.randint(-2, 3, (store_blocks * bs, D), generator=g).to(dtype)
+        q = torch.randint(-1, 2, (n, H, D), generator=g).bfloat16()
+        w = torch.randint(0, 3, (n, H), generator=g).float()
+    else:
+        store = torch.randn(store_blocks * bs, D, generator=g).to(dtype)
+        q = torch.randn(n, H, D, generator=g).bfloat16()
+        w = torch.randn(n, H, generator=g)
+    keys = KeySlots(torch.randperm(store_blocks, generator=g)[:nblk], bs, L)
+    if n == 3:  # decode-like rows: the last, an early and the one before last
+        q_pos = torch.tensor([L - 1, min(L - 1, 10), max(0, L - 2)])
+    else:  # a prefill chunk's rows: the last n positions
+        q_pos = torch.arange(max(0, L - n), max(0, L - n) + n).clamp(max=L - 1)
+    return q, w, store, keys, q_pos, D
+
+
 @pytest.mark.parametrize("L", [1, 50, 64, 1000, 5000])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("integers", [False, True])
 def test_fused_selection_equals_the_torch_path(L, dtype, integers):
     assert K.available(), "gcc is on every machine we run on: the kernel must build"
-    g = torch.Generator().manual_seed(L)
-    # integers: D = 64 makes the score scale 1/8, so every score is exact in any summation order
-    bs, D, H, topk = 16, (64 if integers else 32), 8, 64
-    nblk = -(-L // bs)
-    store_blocks = nblk + 7
-    if integers:  # many exact ties
-        store = torch.randint(-2, 3, (store_blocks * bs, D), generator=g).to(dtype)
-        q = torch.randint(-1, 2, (3, H, D), generator=g).bfloat16()
-        w = torch.randint(0, 3, (3, H), generator=g).float()
-    else:
-        store = torch.randn(store_blocks * bs, D, generator=g).to(dtype)
-        q = torch.randn(3, H, D, generator=g).bfloat16()
-        w = torch.randn(3, H, generator=g)
-    keys = KeySlots(torch.randperm(store_blocks, generator=g)[:nblk], bs, L)
-    q_pos = torch.tensor([L - 1, min(L - 1, 10), max(0, L - 2)])
-    want = torch_path(q, w, store, keys, q_pos, topk, D)
-    got = K.select_rows(q, w, store, keys, q_pos, topk, D)
+    q, w, store, keys, q_pos, D = case(L, dtype, integers)
+    want = torch_path(q, w, store, keys, q_pos, 64, D)
+    got = K.select_rows(q, w, store, keys, q_pos, 64, D)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
 
-def test_the_model_uses_it_for_decode_and_tokens_are_unchanged(default_model_dir):
+@pytest.mark.parametrize("n,H", [(40, 8), (70, 6), (33, 17)])
+@pytest.mark.parametrize("integers", [False, True])
+def test_prefill_rows_and_odd_head_counts_equal_the_torch_path(n, H, integers):
+    # H = 6 and 17 leave heads over from the kernel's tile of 4; n > 1 splits rows over threads
+    q, w, store, keys, q_pos, D = case(3000, torch.bfloat16, integers, n=n, H=H, seed=n)
+    want = torch_path(q, w, store, keys, q_pos, 64, D)
+    got = K.select_rows(q, w, store, keys, q_pos, 64, D)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_select_fused_in_row_blocks_equals_select_and_slots():
+    from dist_glm5.backends import get_backend
+    from dist_glm5.model.dsa_config import DSAConfig
+
+    q, w, store, keys, q_pos, D = case(3000, torch.bfloat16, False, n=50, H=8, seed=5)
+    cfg = DSAConfig(mode="sparse", gather_cap_bytes=3000 * 9 * 16)  # blocks of 16 rows
+    assert dsa.score_rows(cfg, 3000) == 16
+    ops = get_backend("cpu").ops()
+    keep, slots, valid = dsa.select_fused(q, w, store, keys, q_pos, 64, D, cfg, ops)
+    want = dsa.select(q, w, store, keys, q_pos, 64, D, cfg, ops)
+    assert torch.equal(keep, want)
+    ws, wv = dsa.selected_slots(want, keys, 64)
+    assert torch.equal(slots, ws) and torch.equal(valid, wv)
+
+
+def test_the_model_uses_it_for_prefill_and_decode_and_tokens_are_unchanged(default_model_dir):
     from dataclasses import replace
 
     from runtime_util import prompts
@@ -73,4 +109,5 @@ def test_the_model_uses_it_for_decode_and_tokens_are_unchanged(default_model_dir
     assert [x.token_ids for x in generate(fused, ps, P)] == [
         x.token_ids for x in generate(plain, ps, P)
     ]
-    assert calls and set(calls) == {1}  # one decode row per sequence per full layer
+    # prefill: each prompt's rows in one call per full layer; decode: one row per sequence
+    assert set(calls) == {150, 90, 1}

@@ -25,7 +25,6 @@ def cpu_ops():
         experts=experts,
         select_topk=select_topk_sorted,
         select_rows=dsa_select.select_rows if fused else None,
-        select_rows_max=dsa_select.MAX_ROWS if fused else 0,
     )
 
 

@@ -118,6 +118,36 @@ def select(
     return keep
 
 
+def select_fused(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    idx_store: torch.Tensor,
+    keys: KeySlots,
+    q_pos: torch.Tensor,
+    topk: int,
+    head_dim: int,
+    cfg: DSAConfig,
+    ops: Ops,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """select() and selected_slots() in one, by the backend's fused `select_rows`: (keep [n, L],
+    slots [n, k], valid [n, k]). Rows go in blocks of score_rows(), as select() scores them, so
+    the kernel's [rows, L] scores stay under the gather cap; each block fills its rows of keep."""
+    n, L = q.shape[0], len(keys)
+    step = score_rows(cfg, L)
+    if n <= step:
+        return ops.select_rows(q, w, idx_store, keys, q_pos, topk, head_dim)
+    keep = torch.zeros(n, L, dtype=torch.bool, device=q.device)
+    slots, valid = [], []
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        _, s, v = ops.select_rows(
+            q[a:b], w[a:b], idx_store, keys, q_pos[a:b], topk, head_dim, keep[a:b]
+        )
+        slots.append(s)
+        valid.append(v)
+    return keep, torch.cat(slots), torch.cat(valid)
+
+
 def selected_slots(
     keep: torch.Tensor, keys: KeySlots, k: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,14 +175,16 @@ def sparse_prefill(
     cfg: DSAConfig,
     ops: Ops,
     topk: int | None = None,
+    slots: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Prefill rows [n] over L keys (at most `topk` kept per row): each row over its own
     selected rows ("rows"), or per window the union of selections, or dense with the mask
-    ("windows", by the backend's attend_absorbed_chunked)."""
+    ("windows", by the backend's attend_absorbed_chunked). slots: (slots, valid) of `keep`
+    when the selection already listed them (select_fused)."""
     n, L = keep.shape
     attend_absorbed_chunked = ops.attend_absorbed_chunked
     if cfg.prefill_attention == "rows":  # each query over its own selected rows: cost ~ top-k
-        slots, valid = selected_slots(keep, keys, topk)
+        slots, valid = slots if slots is not None else selected_slots(keep, keys, topk)
         return ops.attend_gathered(
             q_lat, q_rot, kv_store, slots, valid, kv_lora, scale, cfg.gather_cap_bytes
         )

@@ -160,15 +160,14 @@ class MLA(nn.Module):
             iq, iw, idx_store, keys, q_pos, self.topk, hd, self.dsa, self.ops, self.row_split
         )
 
-    def _fused_select(self, n: int, small: bool) -> bool:
-        """Decode rows of a full layer select and gather in one scan of the index keys, when the
-        backend has that op and the rows are not split over ranks."""
+    def _fused_select(self, n: int) -> bool:
+        """A full layer's rows select and list their keys in one scan of the index keys, when
+        the backend has that op and the rows are not split over ranks."""
         return (
-            small
-            and self.indexer is not None
+            self.indexer is not None
             and self.row_split is None
             and self.ops.select_rows is not None
-            and 0 < n <= self.ops.select_rows_max
+            and n > 0
         )
 
     def _sparse(self, a: AttnIn, batch: ForwardBatch) -> tuple[torch.Tensor, list]:
@@ -189,9 +188,9 @@ class MLA(nn.Module):
                 n_real = batch.chunks[g.chunk_ids[bi]].length
                 toks, qpos = g.tok[bi, :n_real], g.q_pos[bi, :n_real]
                 keys = g.keys[bi]  # positions 0..end-1 of this chunk's sequence
-                fused = self._fused_select(toks.numel(), small)
-                if fused:  # decode: one scan of the index keys, selection and slots at once
-                    keep, s_, ok = self.ops.select_rows(
+                fused = self._fused_select(toks.numel())
+                if fused:  # one scan of the index keys: selection and slots at once
+                    keep, s_, ok = dsa.select_fused(
                         ix.q[toks],
                         ix.w[toks],
                         ix.store,
@@ -199,6 +198,8 @@ class MLA(nn.Module):
                         qpos,
                         self.topk,
                         self.indexer.head_dim,
+                        self.dsa,
+                        self.ops,
                     )
                 elif ix is not None:
                     keep = self.select_sparse(ix.q[toks], ix.w[toks], ix.store, keys, qpos)
@@ -225,6 +226,7 @@ class MLA(nn.Module):
                         self.dsa,
                         self.ops,
                         self.topk,
+                        (s_, ok) if fused else None,
                     )
                     out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(out.dtype), w_uv)
             if small:

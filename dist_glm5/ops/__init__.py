@@ -39,11 +39,10 @@ class Ops:
     attend_absorbed_chunked: "Fn"
     rms_norm: "Fn"  # (x [..., D], weight [D], eps) -> [..., D] (ops/norm.py)
     apply_rope: "Fn"  # (x [T, ..., dim], cos, sin [T, dim/2], interleave) (ops/rope.py)
-    # Optional fused decode selection for a few rows of one sequence: (q, w, idx_store, keys,
-    # q_pos, topk, head_dim) -> (keep [n, L], slots [n, k], valid [n, k]), what index_scores +
+    # Optional fused selection for rows of one sequence: (q, w, idx_store, keys, q_pos, topk,
+    # head_dim, keep=None) -> (keep [n, L], slots [n, k], valid [n, k]), what index_scores +
     # select_topk + dsa.selected_slots give (kernels/dsa_select.py). None: those three.
     select_rows: "Callable | None" = None
-    select_rows_max: int = 0  # the most rows select_rows takes (more: the GEMM path)
 
 
 def reference_ops() -> Ops:

@@ -30,12 +30,14 @@ MIB = 1 << 20
 # worker peaked at 345 MiB here with the oracles installed and at 432 MiB on CI.
 # hpu: an allowance for the bridge and graph caches (not measured: no card here).
 RUNTIME_BYTES = {"cpu": 272 * MIB, "hpu": int(3.0 * GIB)}
-# Bytes held per (query row, key) while a full layer selects its keys, per backend's top-k:
-# cpu (select_topk_sorted): the fp32 scores, their causal-masked fp32 copy, the causal mask and
-# its inverse, the keep mask and its causal AND: 11.1-12.3 B measured (one select() of 256 rows
-# over 200K-640K keys, VmHWM growth less the keep mask); hpu (bisection): fp32 scores, int32
-# order keys, a mask, the budget dsa.score_rows sizes its row blocks by (not measured).
-SCORE_BYTES = {"cpu": 12, "hpu": 9}
+# Bytes held per (query row, key) while a full layer selects its keys, per selection path:
+# cpu (kernels/dsa_select, one rank): the fp32 scores, in a scratch buffer kept between calls;
+# cpu-torch (select_topk_sorted: ranks that split rows, or no C compiler): the fp32 scores, their
+# causal-masked fp32 copy, the causal mask and its inverse, the keep mask and its causal AND:
+# 11.1-12.3 B measured (one select() of 256 rows over 200K-640K keys, VmHWM growth less the keep
+# mask); hpu (bisection): fp32 scores, int32 order keys, a mask, the budget dsa.score_rows sizes
+# its row blocks by (not measured).
+SCORE_BYTES = {"cpu": 4, "cpu-torch": 12, "hpu": 9}
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,8 @@ _DEFAULT_DSA = DSAConfig()
 
 def score_bytes(dsa: DSAConfig, chunk_tokens: int, context: int, backend: str = "cpu") -> int:
     """What a full layer's key selection holds at once for one prefill chunk, its keep mask
-    aside: the row block dsa.select scores at once (sized so that 9 B per element stay under the
-    gather cap) at what the backend's top-k holds per element."""
+    aside: the row block dsa.select / select_fused score at once (sized so that 9 B per element
+    stay under the gather cap) at what the selection path holds per element (SCORE_BYTES)."""
     rows = min(score_rows(dsa, max(1, context)), chunk_tokens)
     return rows * context * SCORE_BYTES[backend]
 
@@ -186,7 +188,9 @@ def worker_memory(
     # Each capped temporary costs what this context needs of it, at most its cap (a small context
     # never fills a 512 MB cap).
     cap = dsa.gather_cap_bytes
-    scores = score_bytes(dsa, chunk_tokens, context, backend)
+    # ranks that split a layer's rows select in torch (kernels/dsa_select takes whole layers)
+    path = "cpu-torch" if backend == "cpu" and tp > 1 else backend
+    scores = score_bytes(dsa, chunk_tokens, context, path)
     masks = (
         2 * chunk_tokens * context
     )  # a full layer's keep-mask, held for the shared layer after it
