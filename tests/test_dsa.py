@@ -125,7 +125,7 @@ def test_sparse_selects_exactly_the_reference_keys(default_model, sparse_models)
             cos, sin = m.rope.lookup(b.positions)
             layer = m.model.layers["0"]
             _, keep = layer.self_attn(layer.input_layernorm(x), b, cache, cos, sin, None)
-        keeps[name] = keep[0][0] if name == "sparse" else keep[0][0]
+        keeps[name] = keep[0][0].keep if name == "sparse" else keep[0][0]
     assert keeps["ref"].shape == keeps["sparse"].shape == (200, 200)
     assert torch.equal(keeps["ref"], keeps["sparse"])
     assert keeps["sparse"].sum(-1).max() == 64  # sparsity is real at this length

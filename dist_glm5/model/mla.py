@@ -30,6 +30,16 @@ class Indexed(NamedTuple):
     store: torch.Tensor  # [slots, d] this layer's index keys (the cache's)
 
 
+class Selected(NamedTuple):
+    """One sequence's rows' keys on the sparse path: the keep mask [n, L] and, when the selection
+    listed them (dsa.select_fused), their slots and valid [n, k], which a 'shared' layer after
+    it reuses instead of listing the mask again (a top-k over [n, L] bytes per layer)."""
+
+    keep: torch.Tensor
+    slots: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+
+
 class AttnIn(NamedTuple):
     """What both attention forms read, for one forward of one layer."""
 
@@ -37,7 +47,7 @@ class AttnIn(NamedTuple):
     q_rot: torch.Tensor  # [T, h, rope], roped
     kv_store: torch.Tensor  # [slots, kv_lora + rope] this layer's cache rows
     index: Indexed | None  # None on a 'shared' layer, which reuses prev_keep
-    prev_keep: list | None  # the previous full layer's selection per group
+    prev_keep: list | None  # the previous full layer's selection per group (sparse: Selected)
 
 
 class MLA(nn.Module):
@@ -173,7 +183,7 @@ class MLA(nn.Module):
     def _sparse(self, a: AttnIn, batch: ForwardBatch) -> tuple[torch.Tensor, list]:
         """The scaled path (dsa.py): per-row top-k, capped gathers; decode gathers exactly each
         row's keys, prefill attends per row or per window (DSAConfig.prefill_attention).
-        Returns out [T, h, v] and the keep-masks per group, per sequence [n, L]."""
+        Returns out [T, h, v] and the selections per group, per sequence (Selected)."""
         T, h = a.q_nope.shape[:2]
         c, ix = self.kv_lora, a.index
         w = self.kv_b_proj.weight.view(h, -1, c)
@@ -182,37 +192,41 @@ class MLA(nn.Module):
         keeps = []
         for gi, g in enumerate(batch.groups):
             small = g.tok.shape[1] <= SMALL_CHUNK
-            gkeep, sel, sel_ok, toks_all = [], [], [], []
+            gkeep, dec_slots, dec_ok, toks_all = [], [], [], []
             for bi in range(g.tok.shape[0]):
                 # the real rows are a prefix of the padded ones: a slice, not a boolean mask
                 n_real = batch.chunks[g.chunk_ids[bi]].length
                 toks, qpos = g.tok[bi, :n_real], g.q_pos[bi, :n_real]
                 keys = g.keys[bi]  # positions 0..end-1 of this chunk's sequence
-                fused = self._fused_select(toks.numel())
-                if fused:  # one scan of the index keys: selection and slots at once
-                    keep, s_, ok = dsa.select_fused(
-                        ix.q[toks],
-                        ix.w[toks],
-                        ix.store,
-                        keys,
-                        qpos,
-                        self.topk,
-                        self.indexer.head_dim,
-                        self.dsa,
-                        self.ops,
+                if self._fused_select(toks.numel()):  # one scan: selection and slots at once
+                    chosen = Selected(
+                        *dsa.select_fused(
+                            ix.q[toks],
+                            ix.w[toks],
+                            ix.store,
+                            keys,
+                            qpos,
+                            self.topk,
+                            self.indexer.head_dim,
+                            self.dsa,
+                            self.ops,
+                        )
                     )
                 elif ix is not None:
-                    keep = self.select_sparse(ix.q[toks], ix.w[toks], ix.store, keys, qpos)
+                    chosen = Selected(
+                        self.select_sparse(ix.q[toks], ix.w[toks], ix.store, keys, qpos)
+                    )
                 else:
-                    keep = a.prev_keep[gi][bi]
-                gkeep.append(keep)
+                    chosen = a.prev_keep[gi][bi]
+                keep = chosen.keep
+                listed = (chosen.slots, chosen.valid) if chosen.slots is not None else None
+                gkeep.append(chosen)
                 q_lat = torch.einsum("nhd,hdc->nhc", a.q_nope[toks], w_uk)
                 if small:  # decode: gather exactly each row's selected keys
-                    if not fused:
-                        s_, ok = dsa.selected_slots(keep, keys, self.topk)
+                    s_, ok = listed or dsa.selected_slots(keep, keys, self.topk)
                     pad = self.topk - s_.shape[1]
-                    sel.append(torch.nn.functional.pad(s_, (0, pad), value=keys.first))
-                    sel_ok.append(torch.nn.functional.pad(ok, (0, pad), value=False))
+                    dec_slots.append(torch.nn.functional.pad(s_, (0, pad), value=keys.first))
+                    dec_ok.append(torch.nn.functional.pad(ok, (0, pad), value=False))
                     toks_all.append((toks, q_lat))
                 else:
                     o_lat = dsa.sparse_prefill(
@@ -226,7 +240,7 @@ class MLA(nn.Module):
                         self.dsa,
                         self.ops,
                         self.topk,
-                        (s_, ok) if fused else None,
+                        listed,
                     )
                     out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(out.dtype), w_uv)
             if small:
@@ -236,8 +250,8 @@ class MLA(nn.Module):
                     q_lat,
                     a.q_rot[toks],
                     a.kv_store,
-                    torch.cat(sel),
-                    torch.cat(sel_ok),
+                    torch.cat(dec_slots),
+                    torch.cat(dec_ok),
                     c,
                     self.scale,
                     self.dsa.gather_cap_bytes,
