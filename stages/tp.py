@@ -16,13 +16,8 @@ from torch import nn
 
 from dist_glm5.model.glm5 import Glm5Model
 from dist_glm5.model.layer import DecoderLayer
+from dist_glm5.model.linear import linear_from
 from dist_glm5.model.moe import MLP, MoE, MXFP4Experts
-
-
-def _linear(w: torch.Tensor) -> nn.Linear:
-    lin = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
-    lin.weight = nn.Parameter(w.contiguous(), requires_grad=False)
-    return lin
 
 
 def _part(n: int, rank: int, ranks: int, what: str, fix: str) -> slice:
@@ -40,9 +35,9 @@ def _split_mlp(mlp: MLP, rank: int, ranks: int) -> None:
         "intermediate size",
         "use a TP degree that divides it",
     )
-    mlp.gate_proj = _linear(mlp.gate_proj.weight[s])
-    mlp.up_proj = _linear(mlp.up_proj.weight[s])
-    mlp.down_proj = _linear(mlp.down_proj.weight[:, s])
+    mlp.gate_proj = linear_from(mlp.gate_proj.weight[s], mlp.gate_proj)
+    mlp.up_proj = linear_from(mlp.up_proj.weight[s], mlp.up_proj)
+    mlp.down_proj = linear_from(mlp.down_proj.weight[:, s], mlp.down_proj)
 
 
 def _split_experts_tp(mod, rank: int, ranks: int) -> None:
@@ -97,12 +92,14 @@ def shard_tensor_parallel(
         h = a.n_heads
         s = _part(h, rank, ranks, "num_attention_heads", "use a TP degree that divides it")
         qd, c = a.nope + a.rope, a.kv_lora
-        a.q_b_proj = _linear(
-            a.q_b_proj.weight.view(h, qd, -1)[s].reshape(-1, a.q_b_proj.in_features)
+        a.q_b_proj = linear_from(
+            a.q_b_proj.weight.view(h, qd, -1)[s].reshape(-1, a.q_b_proj.in_features), a.q_b_proj
         )
-        a.kv_b_proj = _linear(a.kv_b_proj.weight.view(h, a.nope + a.v_dim, c)[s].reshape(-1, c))
+        a.kv_b_proj = linear_from(
+            a.kv_b_proj.weight.view(h, a.nope + a.v_dim, c)[s].reshape(-1, c), a.kv_b_proj
+        )
         H = a.o_proj.out_features
-        a.o_proj = _linear(a.o_proj.weight.view(H, h, a.v_dim)[:, s].reshape(H, -1))
+        a.o_proj = linear_from(a.o_proj.weight.view(H, h, a.v_dim)[:, s].reshape(H, -1), a.o_proj)
         layer.attn_reduce = reduce
         if exchange_masks is not None and a.indexer is not None:
             a.row_split = (rank, ranks, exchange_masks)

@@ -1,6 +1,7 @@
 """CPU backend: the reference. Plain torch, gloo between processes, and per hot op the fastest
-exact method on this CPU: the packed MXFP4 kernel (reference fallback when it cannot build) and
-torch.topk selection; the other ops are the references themselves."""
+exact method on this CPU: the packed MXFP4 kernel and the fused DSA selection (reference
+fallbacks when they cannot build), torch.topk selection, and bf16 products in fp32 on CPUs
+without bf16 GEMM instructions; the other ops are the references themselves."""
 
 from __future__ import annotations
 
@@ -13,18 +14,22 @@ from . import Backend
 @functools.cache
 def cpu_ops():
     from dist_glm5.kernels import dsa_select
-    from dist_glm5.ops import reference_ops
+    from dist_glm5.ops import linear, reference_ops
     from dist_glm5.ops.experts import cpu_experts_ops
     from dist_glm5.ops.topk import select_topk_sorted
 
-    experts = cpu_experts_ops()
+    ref = reference_ops()
+    wide = not linear.native_bf16_gemm()  # bf16 GEMMs in fp32 (ops/linear.py says why)
+    experts = cpu_experts_ops(linear.linear_fp32_gemm if wide else linear.linear)
     fused = dsa_select.available()  # else: score + select + list in torch, as the reference
     return dataclasses.replace(
-        reference_ops(),
-        name=f"cpu({experts.name})",
+        ref,
+        name=f"cpu({experts.name}{', fp32 GEMM' if wide else ''})",
         experts=experts,
         select_topk=select_topk_sorted,
         select_rows=dsa_select.select_rows if fused else None,
+        linear=linear.linear_fp32_gemm if wide else ref.linear,
+        einsum=linear.einsum_fp32_gemm if wide else ref.einsum,
     )
 
 

@@ -24,6 +24,7 @@ from dist_glm5.checkpoint.safetensors_io import Checkpoint, CheckpointError
 from dist_glm5.checkpoint.shards import open_checkpoint
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.glm5 import Glm5Model
+from dist_glm5.model.linear import Linear
 from dist_glm5.model.moe import MXFP4Experts
 from dist_glm5.ops import Ops, reference_ops
 
@@ -124,7 +125,9 @@ def _expected(
             pre = f"model.layers.{cfg.num_hidden_layers + j}"
             if f"{pre}.shared_head.head.weight" in ckpt:
                 layer.shared_head.head = (
-                    nn.Linear(H, cfg.vocab_size, bias=False).to(model.dtype).requires_grad_(False)
+                    Linear(H, cfg.vocab_size, False, model.ops)
+                    .to(model.dtype)
+                    .requires_grad_(False)
                 )
                 out[f"{pre}.shared_head.head.weight"] = _Source(
                     (cfg.vocab_size, H), (wdt,), _copy_into(layer.shared_head.head.weight.data)

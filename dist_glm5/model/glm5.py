@@ -14,6 +14,7 @@ from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.model.kv_cache import ForwardBatch, PagedKVCache
 from dist_glm5.model.layer import DecoderLayer
+from dist_glm5.model.linear import Linear
 from dist_glm5.model.mtp import MTPLayer
 from dist_glm5.model.norm import RMSNorm
 from dist_glm5.model.rope import RopeTable
@@ -90,7 +91,7 @@ class Glm5Model(nn.Module):
         self.ops = ops
         self.dsa = dsa or DSAConfig()
         self.model = Trunk(cfg, layers, embed, head, mtp, self.experts, self.ops, self.dsa)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, ops) if head else None
         self.has_mtp = mtp
         self.rope = RopeTable(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
 

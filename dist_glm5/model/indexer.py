@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from dist_glm5.model.config import ModelConfig
+from dist_glm5.model.linear import Linear
 from dist_glm5.model.norm import LayerNorm
 from dist_glm5.ops import Ops
 from dist_glm5.ops.indexer import select_topk_reference  # noqa: F401  (named from here too)
@@ -24,10 +25,10 @@ class Indexer(nn.Module):
         self.rope_dim = cfg.qk_rope_head_dim
         self.topk = cfg.index_topk
         self.interleave = cfg.indexer_rope_interleave
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, False, ops)
+        self.wk = Linear(cfg.hidden_size, self.head_dim, False, ops)
         self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, False, ops)
 
     def forward(
         self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -33,7 +33,7 @@ class DecoderLayer(nn.Module):
         self.mlp = (
             MoE(cfg, ops, experts)
             if cfg.is_moe_layer(layer)
-            else MLP(cfg.hidden_size, cfg.intermediate_size)
+            else MLP(cfg.hidden_size, cfg.intermediate_size, ops)
         )
         # Sums of partial outputs over a stage's tensor/expert-parallel ranks (set by stages/tp.py).
         self.attn_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None

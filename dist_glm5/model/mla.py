@@ -18,6 +18,7 @@ from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa import DSAConfig
 from dist_glm5.model.indexer import Indexer
 from dist_glm5.model.kv_cache import SMALL_CHUNK, ForwardBatch, PagedKVCache
+from dist_glm5.model.linear import Linear
 from dist_glm5.model.norm import RMSNorm
 from dist_glm5.ops import Ops, reference_ops
 
@@ -70,17 +71,19 @@ class MLA(nn.Module):
         self.scale = cfg.softmax_scale
         self.interleave = cfg.rope_interleave
         self.topk = cfg.index_topk
-        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, cfg.attention_bias, self.ops)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, self.ops)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(
-            cfg.hidden_size, cfg.kv_cache_dim, bias=cfg.attention_bias
+        self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * cfg.qk_head_dim, False, self.ops)
+        self.kv_a_proj_with_mqa = Linear(
+            cfg.hidden_size, cfg.kv_cache_dim, cfg.attention_bias, self.ops
         )
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, self.ops)
-        self.kv_b_proj = nn.Linear(
-            cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False
+        self.kv_b_proj = Linear(
+            cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), False, self.ops
         )
-        self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(
+            self.n_heads * self.v_dim, cfg.hidden_size, cfg.attention_bias, self.ops
+        )
         self.indexer = Indexer(cfg, self.ops) if cfg.has_indexer(layer) else None
         self.dsa = dsa or DSAConfig()
         # the attention form, chosen once here from the config (never per forward)
@@ -221,7 +224,7 @@ class MLA(nn.Module):
                 keep = chosen.keep
                 listed = (chosen.slots, chosen.valid) if chosen.slots is not None else None
                 gkeep.append(chosen)
-                q_lat = torch.einsum("nhd,hdc->nhc", a.q_nope[toks], w_uk)
+                q_lat = self.ops.einsum("nhd,hdc->nhc", a.q_nope[toks], w_uk)
                 if small:  # decode: gather exactly each row's selected keys
                     s_, ok = listed or dsa.selected_slots(keep, keys, self.topk)
                     pad = self.topk - s_.shape[1]
@@ -242,7 +245,7 @@ class MLA(nn.Module):
                         self.topk,
                         listed,
                     )
-                    out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(out.dtype), w_uv)
+                    out[toks] = self.ops.einsum("nhc,hvc->nhv", o_lat.to(out.dtype), w_uv)
             if small:
                 toks = torch.cat([t for t, _ in toks_all])
                 q_lat = torch.cat([q for _, q in toks_all])
@@ -256,6 +259,6 @@ class MLA(nn.Module):
                     self.scale,
                     self.dsa.gather_cap_bytes,
                 )
-                out[toks] = torch.einsum("nhc,hvc->nhv", o_lat.to(out.dtype), w_uv)
+                out[toks] = self.ops.einsum("nhc,hvc->nhv", o_lat.to(out.dtype), w_uv)
             keeps.append(gkeep)
         return out, keeps

@@ -15,16 +15,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_glm5.model.config import ModelConfig
+from dist_glm5.model.linear import Linear
 from dist_glm5.model.router import Router
 from dist_glm5.ops import Ops
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, ops: Ops | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, False, ops)
+        self.up_proj = Linear(hidden, inter, False, ops)
+        self.down_proj = Linear(inter, hidden, False, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -95,7 +96,7 @@ class MoE(nn.Module):
         self.experts = cls(cfg, ops, experts.start, len(experts))
         self.recorder = None  # (RouteRecorder, layer) while routes are being recorded
         self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ops)
             if cfg.n_shared_experts
             else None
         )

@@ -23,6 +23,7 @@ from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.model.kv_cache import ForwardBatch, PagedKVCache
 from dist_glm5.model.layer import DecoderLayer
+from dist_glm5.model.linear import Linear
 from dist_glm5.model.norm import RMSNorm
 from dist_glm5.ops import Ops
 
@@ -46,7 +47,7 @@ class MTPLayer(DecoderLayer):
         super().__init__(cfg, layer, ops, experts, dsa)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, False, ops)
         self.shared_head = SharedHead(cfg, ops)
         self.embed_tokens: nn.Embedding | None = None  # likewise optional
 

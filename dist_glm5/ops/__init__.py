@@ -38,6 +38,11 @@ class Ops:
     attend_gathered: "Fn"
     attend_absorbed_chunked: "Fn"
     rms_norm: "Fn"  # (x [..., D], weight [D], eps) -> [..., D] (ops/norm.py)
+    # dense projections (model/linear.Linear) and the MLA head products with kv_b_proj's
+    # weight, in the activation dtype: (x [..., K], w [N, K], bias) -> [..., N] and
+    # (eq, a, b) -> einsum (ops/linear.py)
+    linear: "Fn"
+    einsum: "Fn"
     apply_rope: "Fn"  # (x [T, ..., dim], cos, sin [T, dim/2], interleave) (ops/rope.py)
     # Optional fused selection for rows of one sequence: (q, w, idx_store, keys, q_pos, topk,
     # head_dim, keep=None) -> (keep [n, L], slots [n, k], valid [n, k]), what index_scores +
@@ -51,6 +56,7 @@ def reference_ops() -> Ops:
     from dist_glm5.ops import attention
     from dist_glm5.ops.experts import REFERENCE
     from dist_glm5.ops.indexer import index_scores
+    from dist_glm5.ops.linear import einsum, linear
     from dist_glm5.ops.norm import rms_norm
     from dist_glm5.ops.rope import apply_rope
     from dist_glm5.ops.topk import select_topk_bisect
@@ -65,5 +71,7 @@ def reference_ops() -> Ops:
         attend_gathered=attention.attend_gathered,
         attend_absorbed_chunked=attention.attend_absorbed_chunked,
         rms_norm=rms_norm,
+        linear=linear,
+        einsum=einsum,
         apply_rope=apply_rope,
     )

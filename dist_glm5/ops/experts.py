@@ -16,6 +16,7 @@ tested against. MXFP4 accumulates in fp32 whatever x's dtype (as the kernels do)
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -27,10 +28,10 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 
-def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    # x: [n, H], w13: [2I, H] ([gate; up]), w2: [H, I] -> [n, H]
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, linear=F.linear) -> torch.Tensor:
+    # x: [n, H], w13: [2I, H] ([gate; up]), w2: [H, I] -> [n, H]; linear: the backend's product
+    gate, up = linear(x, w13).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w2)
 
 
 def experts_reference(
@@ -40,10 +41,12 @@ def experts_reference(
     expert_weights,
     first_expert: int,
     num_local: int,
+    linear=F.linear,
 ) -> torch.Tensor:
     """x: [T, H], weights/ids: [T, k] -> [T, H], the sum over this rank's experts only.
 
     expert_weights(e_local) -> (w13 [2I, H], w2 [H, I]) in x's dtype (decoded if quantised).
+    linear: the backend's product (ops/linear.py).
     """
     out = torch.zeros_like(x)
     local = ids.long() - first_expert
@@ -51,12 +54,14 @@ def experts_reference(
     for e in torch.unique(local[hit]).tolist():  # ascending id order, as the reference model
         tok, slot = torch.where(local == e)
         w13, w2 = expert_weights(e)
-        y = swiglu(x[tok], w13, w2) * weights[tok, slot, None].to(x.dtype)
+        y = swiglu(x[tok], w13, w2, linear) * weights[tok, slot, None].to(x.dtype)
         out.index_add_(0, tok, y)
     return out
 
 
-def experts_dense_reference(x, topk_ids, topk_weights, w13, w2, experts_min, experts_max):
+def experts_dense_reference(
+    x, topk_ids, topk_weights, w13, w2, experts_min, experts_max, linear=F.linear
+):
     return experts_reference(
         x,
         topk_weights,
@@ -64,6 +69,7 @@ def experts_dense_reference(x, topk_ids, topk_weights, w13, w2, experts_min, exp
         lambda e: (w13[e], w2[e]),
         experts_min,
         experts_max - experts_min + 1,
+        linear,
     )
 
 
@@ -99,15 +105,21 @@ class ExpertsOps:
 REFERENCE = ExpertsOps("reference", experts_mxfp4_reference, experts_dense_reference)
 
 
-def cpu_experts_ops() -> ExpertsOps:
+def cpu_experts_ops(linear=F.linear) -> ExpertsOps:
     """The CPU backend's choice: the packed MXFP4 kernel (kernels/mxfp4_moe.c) when it builds
-    here, else the reference, said once in the log."""
+    here, else the reference, said once in the log; float experts multiply with `linear` (the
+    backend's product, ops/linear.py)."""
     from dist_glm5.kernels import mxfp4_moe
 
+    dense = (
+        experts_dense_reference
+        if linear is F.linear
+        else functools.partial(experts_dense_reference, linear=linear)
+    )
     if not mxfp4_moe.available():
         log.warning(
             "MXFP4 MoE kernel unavailable: routed experts run the reference "
             "(dequantise-then-GEMM) path"
         )
-        return REFERENCE
-    return ExpertsOps("cpu-kernel", mxfp4_moe.moe_mxfp4, experts_dense_reference)
+        return ExpertsOps("reference", experts_mxfp4_reference, dense)
+    return ExpertsOps("cpu-kernel", mxfp4_moe.moe_mxfp4, dense)
