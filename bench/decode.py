@@ -112,6 +112,40 @@ def measure_ours(model, prompt: list[int], new_tokens: int, repeats: int) -> dic
     return {"prefill_s": t_pre, "decode_ms": 1e3 * step, "decode_tok_s": 1 / step}
 
 
+def measure_ours_steps(model, prompts: list[list[int]], steps: int, repeats: int) -> dict:
+    """Aggregate decode of len(prompts) sequences stepping together after their prompts: the
+    prompts are prefilled once, untimed (chunks of 2048, one sequence at a time), then `repeats`
+    runs of `steps` greedy steps follow on from each other; the best run counts (the context
+    grows by steps x repeats over the prompt, a rounding error at a deep one). What llama-bench
+    -d (one sequence) and llama-batched-bench (B sequences) time."""
+    from dist_glm5.model.kv_cache import Chunk
+    from dist_glm5.model.reference_loop import blocks_needed
+
+    B, chunk = len(prompts), 2048
+    cache = model.new_cache(blocks_needed([len(p) + steps * repeats + 1 for p in prompts], 64), 64)
+    toks, pos = [], [len(p) for p in prompts]
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            for a in range(0, len(p), chunk):
+                b = cache.prepare([Chunk(i, a, min(chunk, len(p) - a))])
+                h, _ = model(torch.tensor(p[a : a + chunk]), b, cache)
+            toks.append(int(model.logits(model.final_norm(h[-1:])).argmax(-1)))
+
+        def run():
+            nonlocal toks
+            for _ in range(steps):
+                b = cache.prepare([Chunk(i, pos[i], 1) for i in range(B)])
+                h, _ = model(torch.tensor(toks), b, cache)
+                toks = model.logits(model.final_norm(h)).argmax(-1).tolist()
+                for i in range(B):
+                    pos[i] += 1
+
+        t = best(run, repeats)
+    for i in range(B):
+        cache.release(i)
+    return {"step_ms": 1e3 * t / steps, "decode_tok_s": B * steps / t}
+
+
 def measure_hf(hf, prompt: list[int], new_tokens: int, repeats: int) -> dict:
     ids = torch.tensor([prompt])
     with torch.no_grad():

@@ -8,10 +8,11 @@ MEASURED, per thread count, each side right after the other on the same model:
   `llama-batched-bench -npp 128 -ntg 32 -npl BATCHES` (aggregate decode tok/s of B sequences), on
   three GGUFs of the same weights: bf16, experts-only MXFP4 (the rest bf16: our precision) and
   llama.cpp's usual MXFP4_MOE (experts and attn_k_b/attn_v_b MXFP4, other 2-D weights Q8_0);
-- ours, through bench/decode.py's `measure_ours` (batch 1, a 128-token prompt then 32 greedy
-  tokens): prefill tok/s = 128 / prefill time, decode tok/s = 31 / (generation - prefill).
-  Ours at a deeper context or at batch > 1 has no helper for this model (bench longctx's decode
-  runs the embedded default model), so those rows say "not measured" instead of a number.
+- ours, the same model on the sparse DSA path every command runs: bench/decode.py's
+  `measure_ours` (batch 1, a 128-token prompt then 32 greedy tokens: prefill tok/s = 128 /
+  prefill time, decode tok/s = 31 / (generation - prefill)), and `measure_ours_steps` for the
+  rows llama.cpp times after a deeper context (one sequence prefilled to depth d, untimed, then
+  32 steps) and for B sequences of 128-token prompts decoding together (aggregate tok/s).
 COMPUTED: only the ratios ours / llama.cpp.
 
 The tokenizer: the bench model has none, and llama.cpp's converter needs one of exactly 8192 ids.
@@ -368,19 +369,34 @@ def register(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
-def _ours(models: dict, threads: int, repeats: int) -> dict:
+def _ours(models: dict, threads: int, args) -> dict:
     import torch
 
-    from dist_glm5.bench.decode import SMALL, measure_ours
+    from dist_glm5.bench.decode import SMALL, measure_ours, measure_ours_steps
 
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, SMALL["vocab_size"], (PROMPT,), generator=g).tolist()
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return torch.randint(0, SMALL["vocab_size"], (n, length), generator=g).tolist()
+
+    prompt = prompts(1, PROMPT)[0]
     torch.set_num_threads(threads)
     out = {}
     for name, m in models.items():
-        r = measure_ours(m, prompt, NEW, repeats)
-        out[name] = {"decode_tok_s": r["decode_tok_s"], "prefill_tok_s": PROMPT / r["prefill_s"]}
-        log.info("ours %s, %d thread(s): %s", name, threads, out[name])
+        r = measure_ours(m, prompt, NEW, args.repeats)
+        o = {"decode_tok_s": r["decode_tok_s"], "prefill_tok_s": PROMPT / r["prefill_s"]}
+        o["depth"] = {  # decode after a deeper context, one sequence
+            d: measure_ours_steps(m, prompts(1, d), NEW, args.repeats)["decode_tok_s"]
+            for d in args.depths
+            if d > PROMPT
+        }
+        o["batched"] = {  # B sequences of PROMPT tokens decoding together
+            b: measure_ours_steps(m, prompts(b, PROMPT), NEW, args.repeats)["decode_tok_s"]
+            for b in args.batches
+            if b > 1
+        }
+        out[name] = o
+        log.info("ours %s, %d thread(s): %s", name, threads, o)
     return out
 
 
@@ -396,16 +412,16 @@ def table(res: dict, args) -> list[dict]:
                 if r["test"] == "pp" and r["depth"] == 0:
                     pairs.append((f"prefill {r['tokens']}", mine["prefill_tok_s"], r, None))
                 elif r["test"] == "tg" and r["depth"] > 0:
-                    # ours decodes right after the 128-token prompt, llama.cpp after depth d
-                    miss = None if r["depth"] <= PROMPT else "no helper for this model at depth"
-                    what = f"decode {r['tokens']} @ depth {r['depth']}"
-                    pairs.append((what, mine["decode_tok_s"] if miss is None else None, r, miss))
+                    # at depth <= 128 ours decodes right after its 128-token prompt
+                    d = r["depth"]
+                    o = mine["decode_tok_s"] if d <= PROMPT else mine["depth"].get(d)
+                    miss = None if o else "not run at this depth"
+                    pairs.append((f"decode {r['tokens']} @ depth {d}", o, r, miss))
             for r in lc["batched"]:
                 b = int(r["b"])
-                miss = None if b == 1 else "no batched helper for this model"
-                what = f"batched decode B={b}"
-                o = mine["decode_tok_s"] if miss is None else None
-                pairs.append((what, o, {"tok_s": r["s_tg"]}, miss))
+                o = mine["decode_tok_s"] if b == 1 else mine["batched"].get(b)
+                miss = None if o else "not run at this batch"
+                pairs.append((f"batched decode B={b}", o, {"tok_s": r["s_tg"]}, miss))
             for what, o, r, miss in pairs:
                 rows.append(
                     {
@@ -441,6 +457,7 @@ def run(args: argparse.Namespace) -> int:
     from dist_glm5.backends import get_backend
     from dist_glm5.bench.decode import small_model_dirs
     from dist_glm5.checkpoint.loader import load_model
+    from dist_glm5.model.dsa_config import DSAConfig
 
     root = llama_root()
     root.mkdir(parents=True, exist_ok=True)
@@ -449,15 +466,16 @@ def run(args: argparse.Namespace) -> int:
         bf16_dir, mx_dir = small_model_dirs()
         tok_dir = prepare_model_dir(bf16_dir, root.parent / "small-bf16-tok")
         files = ensure_ggufs(root, bin_, tok_dir)
+        ops, sparse = get_backend("cpu").ops(), DSAConfig(mode="sparse")  # as every command
         models = {
-            "mxfp4": load_model(mx_dir, ops=get_backend("cpu").ops()),
-            "bf16": load_model(bf16_dir, ops=get_backend("cpu").ops()),
+            "mxfp4": load_model(mx_dir, ops=ops, dsa=sparse),
+            "bf16": load_model(bf16_dir, ops=ops, dsa=sparse),
         }
         res: dict = {"threads": {}, "llama_cpp": f"b{TAG}"}
         res["files"] = {k: str(v) for k, v in files.items()}
         for nt in args.threads:
             # back to back: ours, then llama.cpp, at the same thread count
-            per = {"ours": _ours(models, nt, args.repeats), "llama": {}}
+            per = {"ours": _ours(models, nt, args), "llama": {}}
             for fmt in args.formats:
                 per["llama"][fmt] = llama_measure(bin_, files[fmt], nt, args, root)
             res["threads"][nt] = per

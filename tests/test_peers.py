@@ -141,3 +141,54 @@ def test_check_types_refuses_a_file_that_is_not_what_its_name_says():
         check_types("bf16", ok)
     with pytest.raises(PeerFailed):
         check_types("mxfp4_moe", ok)  # MXFP4_MOE makes the other 2-D weights Q8_0
+
+
+def test_table_pairs_each_llama_row_with_ours_at_the_same_depth_and_batch():
+    import argparse
+
+    from dist_glm5.bench.peers import table
+
+    lc = {
+        "bench": parse_llama_bench(LLAMA_BENCH_JSON),  # pp 128 @ 0, tg 32 @ 4096
+        "batched": parse_batched_bench(BATCHED_BENCH_TEXT),  # B = 1, 8, 32
+    }
+    ours = {"decode_tok_s": 20.0, "prefill_tok_s": 100.0, "depth": {4096: 16.0}}
+    ours["batched"] = {8: 80.0}  # B = 32 not run
+    res = {"threads": {1: {"ours": {"bf16": ours}, "llama": {"bf16": lc}}}}
+    rows = {r["what"]: r for r in table(res, argparse.Namespace(formats=["bf16"]))}
+    assert rows["prefill 128"]["ratio"] == pytest.approx(100.0 / 95.71621)
+    assert rows["decode 32 @ depth 4096"]["ratio"] == pytest.approx(16.0 / 33.259251)
+    assert rows["batched decode B=1"]["ratio"] == pytest.approx(20.0 / 38.64)
+    assert rows["batched decode B=8"]["ratio"] == pytest.approx(80.0 / 54.24)
+    assert rows["batched decode B=32"]["ratio"] is None
+    assert rows["batched decode B=32"]["not_measured"] == "not run at this batch"
+
+
+def test_measure_ours_steps_decodes_greedy_tokens_after_each_prompt(default_model):
+    # the aggregate step it times continues each sequence where its prompt ended: the same
+    # greedy tokens as the reference loop's generate (checked through a spy on the model)
+    import torch
+
+    from dist_glm5.bench.decode import measure_ours_steps
+    from dist_glm5.model.reference_loop import generate
+    from dist_glm5.sampling.params import SamplingParams
+
+    g = torch.Generator().manual_seed(4)
+    prompts = torch.randint(0, 256, (2, 70), generator=g).tolist()
+    seen = []
+    real = default_model.forward
+
+    def spy(x, batch, cache, *a, **k):
+        if all(c.length == 1 for c in batch.chunks):
+            seen.append(x.tolist())
+        return real(x, batch, cache, *a, **k)
+
+    default_model.forward = spy
+    try:
+        r = measure_ours_steps(default_model, prompts, steps=3, repeats=1)
+    finally:
+        del default_model.forward
+    assert r["decode_tok_s"] > 0 and len(seen) == 3
+    want = [x.token_ids for x in generate(default_model, prompts, SamplingParams(max_tokens=3, ignore_eos=True))]
+    # step k feeds each sequence's token k (the first from the prompt's last logits)
+    assert [list(col) for col in zip(*seen)] == want
