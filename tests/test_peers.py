@@ -189,6 +189,7 @@ def test_measure_ours_steps_decodes_greedy_tokens_after_each_prompt(default_mode
     finally:
         del default_model.forward
     assert r["decode_tok_s"] > 0 and len(seen) == 3
-    want = [x.token_ids for x in generate(default_model, prompts, SamplingParams(max_tokens=3, ignore_eos=True))]
+    greedy = SamplingParams(max_tokens=3, ignore_eos=True)
+    want = [x.token_ids for x in generate(default_model, prompts, greedy)]
     # step k feeds each sequence's token k (the first from the prompt's last logits)
     assert [list(col) for col in zip(*seen)] == want
