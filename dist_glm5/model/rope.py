@@ -60,6 +60,15 @@ def inv_freq_and_scale(
     return inter * (1 - keep) + extra * keep, float(att)
 
 
+def table_bytes(context: int, dim: int, initial: int = 4096) -> int:
+    """What RopeTable holds once a sequence has grown to `context` positions a chunk at a time
+    (each growth doubles the table): cos and sin, [rows, dim/2] fp32 each (the planner's term)."""
+    rows = initial
+    while rows < min(context, MAX_POSITIONS):
+        rows = min(2 * rows, MAX_POSITIONS)
+    return 2 * max(rows, context) * (dim // 2) * 4
+
+
 class RopeTable:
     """cos/sin [positions, dim/2] in fp32 on the host, grown on demand and sliced per step."""
 
@@ -76,8 +85,8 @@ class RopeTable:
             raise ValueError(f"position {n - 1} is beyond the RoPE table limit {MAX_POSITIONS - 1}")
         size = max(n, min(2 * self.cos.shape[0], MAX_POSITIONS))
         freqs = torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-        self.cos = freqs.cos() * self.scale
-        self.sin = freqs.sin() * self.scale
+        self.cos = freqs.cos().mul_(self.scale)
+        self.sin = freqs.sin_().mul_(self.scale)  # in place: one [size, dim/2] buffer fewer
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] int64 -> cos, sin: [T, dim/2] fp32

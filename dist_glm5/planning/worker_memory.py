@@ -5,8 +5,9 @@ weights      the stage's tensors at their stored/compute size (MXFP4 experts: 0.
              and dense MLP over TP ranks, embedding / lm_head / MTP where the stage holds them
 mla_cache    (kv_lora_rank + qk_rope_head_dim) values per token per layer (replicated on TP ranks)
 indexer      index_head_dim values per token per layer that runs an indexer
-workspace    a prefill chunk's activations, the indexer's score rows and DSA keep-masks, and the
-             capped gathers with their attention temporaries (a few multiples of the gather cap)
+workspace    a prefill chunk's activations, the indexer's score rows and DSA keep-masks, the
+             capped gathers with their attention temporaries (a few multiples of the gather cap),
+             and the host RoPE tables (grown by doubling: 64 MiB for the embedded model at 637K)
 runtime      the process itself (Python, torch, Ray worker): a measured constant per backend
 Figures for real hardware are computed, never measured here.
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, fields
 
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa import DSAConfig, score_rows
+from dist_glm5.model.rope import table_bytes as rope_table_bytes
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -200,10 +202,11 @@ def worker_memory(
     else:  # a window's union or every key, and the window's scores over them
         need = max(context * width, dsa.window * cfg.num_attention_heads * context * 4)
     gathers = 4 * min(cap, need)  # the gather, its fp32 copy, scores and probabilities
+    rope = rope_table_bytes(context, cfg.qk_rope_head_dim)  # host cos/sin tables (model/rope.py)
     return WorkerMemory(
         stage_weight_bytes(cfg, layers, first, last, mtp, tp, ep, dtype_bytes, experts_format),
         mla,
         idx,
-        activations + scores + masks + gathers,
+        activations + scores + masks + gathers + rope,
         RUNTIME_BYTES[backend],
     )
