@@ -50,63 +50,62 @@ typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
 /* max(x, 0) with +0.0 for x <= 0, as `x > 0 ? x : 0` (C has no vector ?:) */
 #define relu(x) ((v8)((v8i)(x) & ((x) > zero)))
 
+/* NH heads' dots against NV x 8 keys at kbT + jt, relu'd, weighted and added into sum[0..NV):
+ * NH x NV accumulators, NV key vectors and NH broadcasts per d all fit the 16 vector registers
+ * (a tile that does not fit makes the compiler re-read the keys as FMA memory operands and the
+ * loop becomes load-bound). A macro, not a function: each target clone compiles it for its ISA. */
+#define HEADS(NH, NV)                                                                            \
+    do {                                                                                         \
+        v8 acc[NH][NV];                                                                          \
+        for (int i = 0; i < NH; i++)                                                             \
+            for (int v = 0; v < NV; v++) acc[i][v] = zero;                                       \
+        for (int d = 0; d < D; d++) {                                                            \
+            v8 kv[NV];                                                                           \
+            for (int v = 0; v < NV; v++) /* volatile: loaded once, not re-read per FMA */        \
+                kv[v] = *(const volatile v8 *)(kbT + d * 64 + jt + 8 * v);                       \
+            for (int i = 0; i < NH; i++) {                                                       \
+                const v8 x = splat(qr[(int64_t)(h + i) * D + d]);                               \
+                for (int v = 0; v < NV; v++) acc[i][v] += x * kv[v];                             \
+            }                                                                                    \
+        }                                                                                        \
+        for (int i = 0; i < NH; i++) /* relu, then the head weights, in head order */            \
+            for (int v = 0; v < NV; v++) sum[v] += splat(wr[h + i]) * relu(acc[i][v]);           \
+    } while (0)
+
 /* Scores of rows 0..n-1 against 64 keys (kbT: D x 64, transposed so the fast axis is the key).
- * Register tile: 4 heads x 16 keys, 8 accumulators; per d two key loads and four broadcasts feed
- * eight FMAs (the old one-head loop kept its 64 partial dots in memory: 21 GFLOP/s against 75 for
- * this tile, one thread). Keys past the block's end are zero rows; only the first m scores are
- * stored. The d-sum runs in order, d = 0..D-1, for every key and head. */
+ * Register tiles of 2 heads x 32 keys: 8 accumulators, and per d 4 key loads and 2 broadcasts
+ * feed 8 FMAs (the old one-head loop kept its 64 partial dots in memory: 21 GFLOP/s, one thread,
+ * against about the mm rate for this tile). Keys past the block's end are zero rows; only the
+ * first m scores are stored, and (mx not NULL) their maximum, at mx[r * ldm]. The d-sum runs in
+ * order, d = 0..D-1, for every key and head. */
 CLONES static void score_block(const float *q, const float *w, int n, int H, int D, const float *kbT,
-                               int m, float *out, int64_t ld) {
+                               int m, float *out, int64_t ld, float *mx, int64_t ldm) {
     const v8 zero = splat(0.0f);
     for (int r = 0; r < n; r++) {
         const float *qr = q + (int64_t)r * H * D, *wr = w + (int64_t)r * H;
         float row[64] __attribute__((aligned(32)));
-        for (int jt = 0; jt < 64; jt += 16) {
-            v8 s0 = zero, s1 = zero;
+        for (int jt = 0; jt < 64; jt += 32) {
+            v8 sum[4] = {zero, zero, zero, zero};
             int h = 0;
-            for (; h + 4 <= H; h += 4) {
-                const float *q0 = qr + (int64_t)h * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
-                v8 a0 = zero, b0 = zero, a1 = zero, b1 = zero;
-                v8 a2 = zero, b2 = zero, a3 = zero, b3 = zero;
-                for (int d = 0; d < D; d++) {
-                    const v8 k0 = *(const v8 *)(kbT + d * 64 + jt);
-                    const v8 k1 = *(const v8 *)(kbT + d * 64 + jt + 8);
-                    const v8 x0 = splat(q0[d]), x1 = splat(q1[d]);
-                    const v8 x2 = splat(q2[d]), x3 = splat(q3[d]);
-                    a0 += x0 * k0, b0 += x0 * k1, a1 += x1 * k0, b1 += x1 * k1;
-                    a2 += x2 * k0, b2 += x2 * k1, a3 += x3 * k0, b3 += x3 * k1;
-                }
-                /* relu, then the head weights (the same products, in head order) */
-                s0 += splat(wr[h]) * relu(a0);
-                s1 += splat(wr[h]) * relu(b0);
-                s0 += splat(wr[h + 1]) * relu(a1);
-                s1 += splat(wr[h + 1]) * relu(b1);
-                s0 += splat(wr[h + 2]) * relu(a2);
-                s1 += splat(wr[h + 2]) * relu(b2);
-                s0 += splat(wr[h + 3]) * relu(a3);
-                s1 += splat(wr[h + 3]) * relu(b3);
-            }
-            for (; h < H; h++) { /* heads left over from the groups of 4 */
-                const float *qh = qr + (int64_t)h * D;
-                v8 a = zero, b = zero;
-                for (int d = 0; d < D; d++) {
-                    const v8 x = splat(qh[d]);
-                    a += x * *(const v8 *)(kbT + d * 64 + jt);
-                    b += x * *(const v8 *)(kbT + d * 64 + jt + 8);
-                }
-                s0 += splat(wr[h]) * relu(a);
-                s1 += splat(wr[h]) * relu(b);
-            }
-            *(v8 *)(row + jt) = s0;
-            *(v8 *)(row + jt + 8) = s1;
+            for (; h + 2 <= H; h += 2) HEADS(2, 4);
+            if (h < H) HEADS(1, 4); /* an odd head count's last head */
+            for (int v = 0; v < 4; v++) *(v8 *)(row + jt + 8 * v) = sum[v];
         }
         memcpy(out + (int64_t)r * ld, row, sizeof(float) * m);
+        if (mx) {
+            float v = row[0];
+            for (int j = 1; j < m; j++) v = row[j] > v ? row[j] : v;
+            mx[(int64_t)r * ldm] = v;
+        }
     }
 }
 
 /* scores [n, L]: the indexer scan, blocks split over threads. */
+/* bmax (NULL, or [n, ceil(L / 64)] when bs is a multiple of 64): each 64-key block's maximum. */
 static void scan(const float *q, const float *w, int n, int H, int D, const void *store,
-                 int bf16, const int64_t *table, int bs, int64_t L, float *scores, int nthreads) {
+                 int bf16, const int64_t *table, int bs, int64_t L, float *scores, float *bmax,
+                 int nthreads) {
+    const int64_t ldm = (L + 63) / 64;
     int64_t nblk = (L + bs - 1) / bs;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -129,7 +128,8 @@ static void scan(const float *q, const float *w, int n, int H, int D, const void
                         for (int d = 0; d < D; d++) kbT[d * 64 + j] = kr[d];
                     }
                 }
-                score_block(q, w, n, H, D, kbT, m, scores + j0, L);
+                score_block(q, w, n, H, D, kbT, m, scores + j0, L, bmax ? bmax + j0 / 64 : NULL,
+                            ldm);
             }
         }
     }
@@ -171,19 +171,38 @@ CLONES static void block_max(const float *s, int64_t m, int64_t B, float *mx) {
 
 /* One row's top-k of its first m scores (m > k) into pos (ascending), with the reference's tie
  * rule. The k-th largest block maximum is a lower bound t0 of the k-th largest score (k blocks
- * each hold a score >= it), so every kept key is among the candidates s[j] >= t0, found in one
- * pass; the exact k-th value and the kept keys come from those few. Two passes over the row in
- * all, where a quickselect over the whole row moves it around several times.
+ * each hold a score >= it), so every kept key lies in a block whose maximum is >= t0: with the
+ * scan's 64-key maxima (bmax, not NULL) only those blocks (about k of them) are read; without,
+ * one pass finds the maxima of blocks of m / k keys and a second the keys >= t0. The exact k-th
+ * value and the kept keys then come from those few candidates.
  * vals/idx: scratch of m entries. Returns the count (k). */
-static int64_t select_row(const float *s, int64_t m, int64_t k, float *vals, int64_t *idx,
-                          int64_t *pos) {
-    int64_t B = m / k < 64 ? m / k : 64; /* >= 1 since m > k; at least k blocks */
-    int64_t nb = (m + B - 1) / B;
-    block_max(s, m, B, vals);
-    const float t0 = kth_largest(vals, nb, k);
+static int64_t select_row(const float *s, int64_t m, int64_t k, const float *bmax, float *vals,
+                          int64_t *idx, int64_t *pos) {
     int64_t c = 0;
-    for (int64_t j = 0; j < m; j++) {
-        if (s[j] >= t0) idx[c++] = j;
+    if (bmax && m / 64 >= k) {
+        const int64_t full = m / 64, nb = (m + 63) / 64;
+        float last = 0.0f; /* the partial block's maximum over its causal keys only */
+        if (nb > full) {
+            last = s[full * 64];
+            for (int64_t j = full * 64 + 1; j < m; j++) last = s[j] > last ? s[j] : last;
+        }
+        memcpy(vals, bmax, sizeof(float) * (size_t)full);
+        if (nb > full) vals[full] = last;
+        const float t0 = kth_largest(vals, nb, k);
+        for (int64_t b = 0; b < nb; b++) {
+            if ((b < full ? bmax[b] : last) < t0) continue;
+            const int64_t e = b * 64 + 64 < m ? b * 64 + 64 : m;
+            for (int64_t j = b * 64; j < e; j++)
+                if (s[j] >= t0) idx[c++] = j;
+        }
+    } else {
+        const int64_t B = m / k < 64 ? m / k : 64; /* >= 1 since m > k; at least k blocks */
+        const int64_t nb = (m + B - 1) / B;
+        block_max(s, m, B, vals);
+        const float t0 = kth_largest(vals, nb, k);
+        for (int64_t j = 0; j < m; j++) {
+            if (s[j] >= t0) idx[c++] = j;
+        }
     }
     for (int64_t i = 0; i < c; i++) vals[i] = s[idx[i]];
     const float t = kth_largest(vals, c, k);
@@ -202,7 +221,10 @@ int dsa_select(const float *q, const float *w, int n, int H, int D, const void *
                const int64_t *table, int bs, int64_t L, const int64_t *q_pos, int k,
                float *scores, int64_t *out_pos, int32_t *out_cnt, int nthreads) {
     if (D > 256) return -1;
-    scan(q, w, n, H, D, store, bf16, table, bs, L, scores, nthreads);
+    const int64_t ldm = (L + 63) / 64;
+    /* the scan's block maxima: on the 64-key grid only when the cache's blocks tile it */
+    float *bmax = bs % 64 == 0 ? (float *)malloc(sizeof(float) * (size_t)(n * ldm + 1)) : NULL;
+    scan(q, w, n, H, D, store, bf16, table, bs, L, scores, bmax, nthreads);
     int failed = 0;
 #pragma omp parallel num_threads(n > 1 ? nthreads : 1) reduction(| : failed)
     {
@@ -218,12 +240,13 @@ int dsa_select(const float *q, const float *w, int n, int H, int D, const void *
             if (m <= k) {
                 for (int64_t j = 0; j < m; j++) pos[c++] = j;
             } else if (!failed) {
-                c = select_row(s, m, k, vals, idx, pos);
+                c = select_row(s, m, k, bmax ? bmax + (int64_t)r * ldm : NULL, vals, idx, pos);
             }
             out_cnt[r] = (int32_t)c;
         }
         free(vals);
         free(idx);
     }
+    free(bmax);
     return failed ? -2 : 0;
 }

@@ -60,15 +60,17 @@ def _scores(n: int, L: int) -> torch.Tensor:
     buf = getattr(_scratch, "scores", None)
     if buf is None or buf.numel() < n * L:
         _scratch.scores = buf = None  # free the old one before the new one faults in
-        _scratch.scores = buf = torch.empty(n * L, dtype=torch.float32)
+        # 1/8 more than asked: a prefill's context grows by a chunk per call, and a buffer sized
+        # exactly would be reallocated (and faulted in: 0.16 s at 128K here) on every call
+        _scratch.scores = buf = torch.empty(n * L + n * L // 8, dtype=torch.float32)
     return buf[: n * L].view(n, L)
 
 
-def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int, keep=None):
+def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int, keep=None, mask=True):
     """q [n, Hi, D], w [n, Hi] fp32, idx_store [S, D] (bf16 or fp32), keys: KeySlots of the
     sequence, q_pos [n] -> (keep [n, L], slots [n, k], valid [n, k]), k = min(topk, L).
     keep: an all-False [n, L] bool block to fill (a row block of the caller's mask), else a new
-    one."""
+    one; mask=False: no mask at all (keep is None), for callers that attend by the slots."""
     lib = _library()
     n, H, D = q.shape
     L = len(keys)
@@ -105,7 +107,8 @@ def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int, keep=Non
         raise RuntimeError(f"dsa_select failed ({rc}): index_head_dim {D} > 256, or out of memory")
     valid = torch.arange(k) < cnt[:, None]
     pos = torch.where(valid, pos, pos[:, :1])  # padding repeats the first pick
-    if keep is None:
-        keep = torch.zeros(n, L, dtype=torch.bool)
-    keep.scatter_(1, pos, True)  # padding repeats a kept position
+    if mask:
+        if keep is None:
+            keep = torch.zeros(n, L, dtype=torch.bool)
+        keep.scatter_(1, pos, True)  # padding repeats a kept position
     return keep, keys.at(pos), valid

@@ -128,20 +128,30 @@ def select_fused(
     head_dim: int,
     cfg: DSAConfig,
     ops: Ops,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mask: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """select() and selected_slots() in one, by the backend's fused `select_rows`: (keep [n, L],
     slots [n, k], valid [n, k]). Rows go in blocks of score_rows(), as select() scores them, so
-    the kernel's [rows, L] scores stay under the gather cap; each block fills its rows of keep."""
+    the kernel's [rows, L] scores stay under the gather cap; each block fills its rows of keep.
+    mask=False: keep is None (the caller attends by the slots; no [n, L] mask to fault in)."""
     n, L = q.shape[0], len(keys)
     step = score_rows(cfg, L)
     if n <= step:
-        return ops.select_rows(q, w, idx_store, keys, q_pos, topk, head_dim)
-    keep = torch.zeros(n, L, dtype=torch.bool, device=q.device)
+        return ops.select_rows(q, w, idx_store, keys, q_pos, topk, head_dim, None, mask)
+    keep = torch.zeros(n, L, dtype=torch.bool, device=q.device) if mask else None
     slots, valid = [], []
     for a in range(0, n, step):
         b = min(n, a + step)
         _, s, v = ops.select_rows(
-            q[a:b], w[a:b], idx_store, keys, q_pos[a:b], topk, head_dim, keep[a:b]
+            q[a:b],
+            w[a:b],
+            idx_store,
+            keys,
+            q_pos[a:b],
+            topk,
+            head_dim,
+            keep[a:b] if mask else None,
+            mask,
         )
         slots.append(s)
         valid.append(v)
@@ -169,7 +179,7 @@ def sparse_prefill(
     q_rot: torch.Tensor,
     kv_store: torch.Tensor,
     keys: KeySlots,
-    keep: torch.Tensor,
+    keep: torch.Tensor | None,
     kv_lora: int,
     scale: float,
     cfg: DSAConfig,
@@ -180,8 +190,8 @@ def sparse_prefill(
     """Prefill rows [n] over L keys (at most `topk` kept per row): each row over its own
     selected rows ("rows"), or per window the union of selections, or dense with the mask
     ("windows", by the backend's attend_absorbed_chunked). slots: (slots, valid) of `keep`
-    when the selection already listed them (select_fused)."""
-    n, L = keep.shape
+    when the selection already listed them (select_fused); then "rows" needs no keep (None)."""
+    n, L = q_lat.shape[0], len(keys)
     attend_absorbed_chunked = ops.attend_absorbed_chunked
     if cfg.prefill_attention == "rows":  # each query over its own selected rows: cost ~ top-k
         slots, valid = slots if slots is not None else selected_slots(keep, keys, topk)

@@ -34,9 +34,10 @@ class Indexed(NamedTuple):
 class Selected(NamedTuple):
     """One sequence's rows' keys on the sparse path: the keep mask [n, L] and, when the selection
     listed them (dsa.select_fused), their slots and valid [n, k], which a 'shared' layer after
-    it reuses instead of listing the mask again (a top-k over [n, L] bytes per layer)."""
+    it reuses instead of listing the mask again (a top-k over [n, L] bytes per layer). keep is
+    None when the slots were listed and nothing attends by a mask (decode; "rows" prefill)."""
 
-    keep: torch.Tensor
+    keep: torch.Tensor | None
     slots: torch.Tensor | None = None
     valid: torch.Tensor | None = None
 
@@ -213,6 +214,7 @@ class MLA(nn.Module):
                             self.indexer.head_dim,
                             self.dsa,
                             self.ops,
+                            mask=not small and self.dsa.prefill_attention != "rows",
                         )
                     )
                 elif ix is not None:

@@ -33,13 +33,14 @@ MIB = 1 << 20
 # hpu: an allowance for the bridge and graph caches (not measured: no card here).
 RUNTIME_BYTES = {"cpu": 272 * MIB, "hpu": int(3.0 * GIB)}
 # Bytes held per (query row, key) while a full layer selects its keys, per selection path:
-# cpu (kernels/dsa_select, one rank): the fp32 scores, in a scratch buffer kept between calls;
+# cpu (kernels/dsa_select, one rank): the fp32 scores, in a scratch buffer kept between calls
+# with 1/8 headroom (the context grows a chunk per call);
 # cpu-torch (select_topk_sorted: ranks that split rows, or no C compiler): the fp32 scores, their
 # causal-masked fp32 copy, the causal mask and its inverse, the keep mask and its causal AND:
 # 11.1-12.3 B measured (one select() of 256 rows over 200K-640K keys, VmHWM growth less the keep
 # mask); hpu (bisection): fp32 scores, int32 order keys, a mask, the budget dsa.score_rows sizes
 # its row blocks by (not measured).
-SCORE_BYTES = {"cpu": 4, "cpu-torch": 12, "hpu": 9}
+SCORE_BYTES = {"cpu": 4.5, "cpu-torch": 12, "hpu": 9}
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ def score_bytes(dsa: DSAConfig, chunk_tokens: int, context: int, backend: str = 
     aside: the row block dsa.select / select_fused score at once (sized so that 9 B per element
     stay under the gather cap) at what the selection path holds per element (SCORE_BYTES)."""
     rows = min(score_rows(dsa, max(1, context)), chunk_tokens)
-    return rows * context * SCORE_BYTES[backend]
+    return int(rows * context * SCORE_BYTES[backend])
 
 
 def worker_memory(
@@ -193,9 +194,9 @@ def worker_memory(
     # ranks that split a layer's rows select in torch (kernels/dsa_select takes whole layers)
     path = "cpu-torch" if backend == "cpu" and tp > 1 else backend
     scores = score_bytes(dsa, chunk_tokens, context, path)
-    masks = (
-        2 * chunk_tokens * context
-    )  # a full layer's keep-mask, held for the shared layer after it
+    # a full layer's keep-mask, held for the shared layer after it; none where the CPU's fused
+    # selection lists the slots and "rows" attends by them (layers share the slot lists)
+    masks = 0 if path == "cpu" and dsa.prefill_attention == "rows" else 2 * chunk_tokens * context
     width = cfg.kv_cache_dim * 4  # a gathered cache row in fp32
     if dsa.prefill_attention == "rows":  # each query's own top-k rows
         need = chunk_tokens * min(context, cfg.index_topk) * width
