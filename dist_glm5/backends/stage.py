@@ -59,6 +59,8 @@ class CpuStage:
     ):
         # the bucket and guard knobs are the device's (HpuStage): the host runs any shape
         self.model, self.blocks, self.block_size, self.name = model, blocks, block_size, name
+        if max_model_len is not None:  # the RoPE table for the whole context, made once now
+            model.rope.reserve(min(max_model_len, blocks * block_size))
 
     def new_cache(self, cfg, layers: list[int], dtype: torch.dtype) -> PagedKVCache:
         # not allocated: the tables come with the plans
