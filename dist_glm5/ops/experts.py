@@ -121,5 +121,7 @@ def cpu_experts_ops(linear=F.linear) -> ExpertsOps:
             "MXFP4 MoE kernel unavailable: routed experts run the reference "
             "(dequantise-then-GEMM) path"
         )
+        if dense is experts_dense_reference:
+            return REFERENCE
         return ExpertsOps("reference", experts_mxfp4_reference, dense)
     return ExpertsOps("cpu-kernel", mxfp4_moe.moe_mxfp4, dense)
