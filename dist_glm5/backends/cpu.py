@@ -20,7 +20,7 @@ def cpu_ops():
 
     ref = reference_ops()
     wide = not linear.native_bf16_gemm()  # bf16 GEMMs in fp32 (ops/linear.py says why)
-    experts = cpu_experts_ops(linear.linear_fp32_gemm if wide else linear.linear)
+    experts = cpu_experts_ops(linear.linear_fp32_gemm) if wide else cpu_experts_ops()
     fused = dsa_select.available()  # else: score + select + list in torch, as the reference
     return dataclasses.replace(
         ref,

@@ -48,7 +48,7 @@ class DeviceRopeTable:
     @classmethod
     def from_host(cls, table, positions: int, device: str | torch.device) -> "DeviceRopeTable":
         """table: a model/rope.RopeTable; positions: the largest context served."""
-        table.lookup(torch.tensor([positions - 1]))  # grows the host table once, here
+        table.reserve(positions)  # the host table at exactly its size, once, here
         return cls(table.cos[:positions].to(device), table.sin[:positions].to(device))
 
     def lookup(self, positions: Tensor) -> tuple[Tensor, Tensor]:
