@@ -54,6 +54,7 @@ from dist_glm5.sampling.sampler import (
     token_logprobs_rows,
 )
 
+from .host_memory import fix_mmap_threshold
 from .tp import shard_tensor_parallel
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class StageWorker:
         eng = spec.engine
         if eng.threads:
             torch.set_num_threads(eng.threads)
+        fix_mmap_threshold()  # before the first weights: peak RSS is what is live (host_memory)
         self.spec, self.comm = spec, comm
         backend = backend or get_backend(eng.backend)
         cfg = ModelConfig.from_hf(eng.model_dir)

@@ -20,9 +20,10 @@ from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
 
 LONG, SHORT = 32768, 8192
 CHUNK = 1024
-# The default gather cap: a chunk's 1024 rows are scored at once in both runs, so the indexer's
-# score rows (4.5 B per row and key) grow with the context beside the cache, and the planned
-# growth (about 130 MiB) stands well clear of the allocator's few MiB of run-to-run noise.
+# The default gather cap: the indexer's score rows (256 rows at once, 4.5 B per row and key) grow
+# with the context beside the cache: 46.5 MiB planned from 8K to 32K. Workers fix glibc's mmap
+# threshold (stages/host_memory.py); without that, 15-25 MiB of freed temporaries stayed resident
+# in one stage or the other from run to run, and this test failed on either.
 DSA = DSAConfig(mode="sparse", dense_threshold=4096)
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 
