@@ -14,6 +14,7 @@ def register(p: argparse.ArgumentParser) -> None:
         engine_host,
         generate_vs_hf,
         kernels,
+        linear,
         link_faults,
         long_job,
         longctx,
@@ -51,6 +52,9 @@ def register(p: argparse.ArgumentParser) -> None:
     )
     kernels.register(
         sub.add_parser("kernels", help="MXFP4 MoE kernel vs dequant+GEMM and read bandwidth")
+    )
+    linear.register(
+        sub.add_parser("linear", help="few-row bf16 products: C kernel vs torch bf16 vs fp32 GEMM")
     )
     longctx.register(
         sub.add_parser(

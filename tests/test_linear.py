@@ -1,15 +1,18 @@
 """The CPU backend's bf16 products in fp32 (ops/linear.py) against torch's own bf16 GEMM: the same
 values up to the order of the fp32 additions (at most one bf16 ulp apart, most elements equal), a
 single row left to torch's bf16 GEMV, the backend choosing it exactly where the CPU has no bf16
-GEMM, and the default model's greedy tokens unchanged by it."""
+GEMM, and the default model's greedy tokens unchanged by it; the few-row bf16 kernel
+(kernels/bf16_gemv.c) against float64 and torch, and the same tokens with it."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from dist_glm5.backends import get_backend
+from dist_glm5.kernels import bf16_gemv
 from dist_glm5.ops import linear as L
 
 
@@ -55,8 +58,53 @@ def test_einsum_and_single_rows():
 def test_the_cpu_backend_widens_exactly_where_the_cpu_has_no_bf16_gemm():
     ops = get_backend("cpu").ops()
     native = L.native_bf16_gemm()
-    assert (ops.linear is L.linear_fp32_gemm) == (not native)
+    assert bf16_gemv.available()  # gcc is on every machine we test on
+    assert ops.linear.kernel is bf16_gemv.linear  # a few rows: the C kernel
+    assert (ops.linear.rest is L.linear_fp32_gemm) == (not native)
     assert (ops.einsum is L.einsum_fp32_gemm) == (not native)
+
+
+def test_few_row_kernel_is_the_exact_sum_rounded_once():
+    """kernels/bf16_gemv against float64 of the same bf16 values: products exact, sums in fp32,
+    rounded once, so within half a bf16 step of the exact value plus fp32's summation error; and
+    against torch's bf16 F.linear, at most one step apart and mostly equal. Odd sizes cover the
+    kernel's tails (N odd: a lone weight row; K % 8: the scalar tail; rows % 4: a short tile)."""
+    g = torch.Generator().manual_seed(3)
+    for m, N, K in ((1, 80, 96), (3, 7, 13), (5, 33, 200), (bf16_gemv.ROWS, 64, 1024)):
+        x = torch.randn(m, K, generator=g).bfloat16()
+        w = torch.randn(N, K, generator=g).bfloat16()
+        b = torch.randn(N, generator=g).bfloat16()
+        for bias in (None, b):
+            got = bf16_gemv.linear(x, w, bias)
+            exact = torch.nn.functional.linear(
+                x.double(), w.double(), None if bias is None else bias.double()
+            )
+            fp32_err = K * 2**-23 * (x.double().abs() @ w.double().abs().T)
+            half_step = exact.abs() * 2**-8  # rounding to bf16 (8 significant bits) moves this
+            assert got.dtype == torch.bfloat16 and got.shape == (m, N)
+            assert ((got.double() - exact).abs() <= half_step * 1.01 + fp32_err).all()
+            want = torch.nn.functional.linear(x, w, bias)
+            assert ulps(got, want).max() <= 1 and (got == want).float().mean() > 0.9
+    # leading dims kept, a non-contiguous x taken, NaN kept
+    x = torch.randn(2, 1, 40, generator=g).bfloat16()[:, :, ::2]
+    w = torch.randn(6, 20, generator=g).bfloat16()
+    w[2, 3] = float("nan")
+    got = bf16_gemv.linear(x, w)
+    assert got.shape == (2, 1, 6) and got[..., 2].isnan().all() and not got[..., :2].isnan().any()
+
+
+def test_few_rows_first_routes_by_rows_dtype_and_layout():
+    ops = get_backend("cpu").ops()
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(24, 32, generator=g).bfloat16()
+    few = torch.randn(2, 32, generator=g).bfloat16()
+    many = torch.randn(bf16_gemv.ROWS + 1, 32, generator=g).bfloat16()
+    assert torch.equal(ops.linear(few, w), bf16_gemv.linear(few, w))
+    assert torch.equal(ops.linear(many, w), ops.linear.rest(many, w))
+    assert not bf16_gemv.fits(few, w.T.contiguous().T)  # a transposed view: torch's path
+    assert not bf16_gemv.fits(few.float(), w.float())
+    with pytest.raises(RuntimeError, match="few-row bf16"):
+        bf16_gemv.linear(many, w)
 
 
 def test_the_shipped_model_gives_the_same_tokens_and_no_larger_error():
@@ -73,15 +121,18 @@ def test_the_shipped_model_gives_the_same_tokens_and_no_larger_error():
     ops = get_backend("cpu").ops()
     wide = dataclasses.replace(ops, linear=L.linear_fp32_gemm, einsum=L.einsum_fp32_gemm)
     plain = dataclasses.replace(ops, linear=L.linear, einsum=L.einsum)
+    gemv = dataclasses.replace(
+        wide, linear=L.few_rows_first(bf16_gemv.linear, bf16_gemv.fits, L.linear_fp32_gemm)
+    )
     text = [list(b"import os\n\ndef walk(root):\n    result = []\n    for d, _, fs in os.walk(")]
     P = SamplingParams(max_tokens=24, ignore_eos=True)
     with torch.no_grad():
         truth = full_logits(load_model(d, torch.float32, ops=plain, dsa=sparse), text[0])
         toks, err = [], []
-        for o in (wide, plain):
+        for o in (wide, plain, gemv):
             m = load_model(d, ops=o, dsa=sparse)
             assert m.dtype == torch.bfloat16  # the shipped weights: the case this is for
             toks.append([x.token_ids for x in generate(m, text, P)])
             err.append((full_logits(m, text[0]) - truth).abs().mean().item())
-    assert toks[0] == toks[1]
-    assert err[0] <= 1.25 * err[1], err
+    assert toks[0] == toks[1] == toks[2]
+    assert err[0] <= 1.25 * err[1] and err[2] <= 1.25 * err[1], err

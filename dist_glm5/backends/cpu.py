@@ -1,7 +1,8 @@
 """CPU backend: the reference. Plain torch, gloo between processes, and per hot op the fastest
 exact method on this CPU: the packed MXFP4 kernel and the fused DSA selection (reference
-fallbacks when they cannot build), torch.topk selection, and bf16 products in fp32 on CPUs
-without bf16 GEMM instructions; the other ops are the references themselves."""
+fallbacks when they cannot build), torch.topk selection, a decode step's few-row bf16 products in
+C, and larger bf16 products in fp32 on CPUs without bf16 GEMM instructions; the other ops are the
+references themselves."""
 
 from __future__ import annotations
 
@@ -13,22 +14,26 @@ from . import Backend
 
 @functools.cache
 def cpu_ops():
-    from dist_glm5.kernels import dsa_select
+    from dist_glm5.kernels import bf16_gemv, dsa_select
     from dist_glm5.ops import linear, reference_ops
     from dist_glm5.ops.experts import cpu_experts_ops
     from dist_glm5.ops.topk import select_topk_sorted
 
     ref = reference_ops()
     wide = not linear.native_bf16_gemm()  # bf16 GEMMs in fp32 (ops/linear.py says why)
-    experts = cpu_experts_ops(linear.linear_fp32_gemm) if wide else cpu_experts_ops()
+    prod = linear.linear_fp32_gemm if wide else ref.linear
+    gemv = bf16_gemv.available()  # a decode step's few bf16 rows in C (ops/linear.py)
+    if gemv:
+        prod = linear.few_rows_first(bf16_gemv.linear, bf16_gemv.fits, prod)
+    experts = cpu_experts_ops(prod) if prod is not ref.linear else cpu_experts_ops()
     fused = dsa_select.available()  # else: score + select + list in torch, as the reference
     return dataclasses.replace(
         ref,
-        name=f"cpu({experts.name}{', fp32 GEMM' if wide else ''})",
+        name=f"cpu({experts.name}{', fp32 GEMM' if wide else ''}{', bf16 GEMV' if gemv else ''})",
         experts=experts,
         select_topk=select_topk_sorted,
         select_rows=dsa_select.select_rows if fused else None,
-        linear=linear.linear_fp32_gemm if wide else ref.linear,
+        linear=prod,
         einsum=linear.einsum_fp32_gemm if wide else ref.einsum,
     )
 

@@ -1,0 +1,87 @@
+"""bf16 products of a few rows in C (kernels/bf16_gemv.c): `linear(x, w, b)`, torch's F.linear
+for bf16 x [..., K] with at most ROWS rows and bf16 w [N, K], bias [N] -> [..., N] bf16.
+
+The reference beside it is F.linear itself (ops/linear.py); the kernel only changes the order of
+the fp32 additions. `available()` is False when it cannot build or DIST_GLM5_KERNELS=0; callers
+then keep torch's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import torch
+
+from .build import disabled, load
+
+SOURCE = Path(__file__).with_name("bf16_gemv.c")
+# The rows up to which the kernel beats the fp32 GEMM (which first widens the whole weight) on
+# this 2-core AVX2 machine: bench/linear.py measures the crossover.
+ROWS = 16
+
+_lib: ctypes.CDLL | None = None
+_loaded = False
+_lock = threading.Lock()
+
+
+def _library() -> ctypes.CDLL | None:
+    global _lib, _loaded
+    if _loaded:
+        return _lib
+    with _lock:
+        if not _loaded:
+            try:
+                if not disabled():
+                    lib = load(SOURCE)
+                    if lib is not None:
+                        p, i = ctypes.c_void_p, ctypes.c_int
+                        lib.bf16_gemv.argtypes = [p, i, i, p, i, p, p, i]
+                        lib.bf16_gemv.restype = i
+                        _lib = lib
+            finally:
+                _loaded = True
+    return _lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `linear` takes this product: bf16 operands, at most ROWS rows, a contiguous
+    weight."""
+    return (
+        x.dtype == torch.bfloat16
+        and w.dtype == torch.bfloat16
+        and x.numel() <= ROWS * x.shape[-1]
+        and w.dim() == 2
+        and w.is_contiguous()
+    )
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bf16 (at most ROWS rows), w [N, K] bf16 contiguous, b [N] -> [..., N] bf16."""
+    lib = _library()
+    if lib is None or not fits(x, w) or (b is not None and b.dtype != torch.bfloat16):
+        raise RuntimeError("bf16_gemv: unavailable, or not a few-row bf16 product")
+    K, N = w.shape[1], w.shape[0]
+    if x.shape[-1] != K:
+        raise ValueError(f"bf16_gemv: x has {x.shape[-1]} inputs, w takes {K}")
+    xc = x.reshape(-1, K).contiguous()
+    y = torch.empty(*x.shape[:-1], N, dtype=torch.bfloat16)
+    bc = None if b is None else b.contiguous()
+    rc = lib.bf16_gemv(
+        xc.data_ptr(),
+        xc.shape[0],
+        K,
+        w.data_ptr(),
+        N,
+        None if bc is None else bc.data_ptr(),
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("bf16_gemv: no memory for the fp32 copy of x")
+    return y
