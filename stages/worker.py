@@ -216,10 +216,18 @@ class StageWorker:
     def _sample(self, plan: StepPlan, batch, h: torch.Tensor) -> list[SeqOutput]:
         m = self.model
         hn = m.final_norm(h)
+        # The rows the sampling sequences read (the last; a draft's two), through lm_head in one
+        # product: one GEMM over the batch, not a GEMV of the largest dense weight per sequence.
+        rows, at = [], []
+        for w, (_, b) in zip(plan.work, batch.spans):
+            at.append(len(rows))
+            if w.sample:
+                rows += range(b - (1 if w.draft is None else 2), b)
+        lg = m.logits(hn[torch.tensor(rows, device=hn.device)]).cpu() if rows else None
         outputs, mtp_chunks, mtp_rows, mtp_next, mtp_seqs = [], [], [], [], []
-        for w, (a, b) in zip(plan.work, batch.spans):
+        for w, (a, b), i in zip(plan.work, batch.spans, at):
             try:
-                out, emitted, rejected, st = self._sample_one(w, hn, a, b)
+                out, emitted, rejected, st = self._sample_one(w, hn, a, b, lg, i)
             except Exception as e:  # this sequence's own failure (a bad value): it alone fails
                 log.warning("%s: sequence %d failed in sampling: %s", self.spec.id, w.seq_id, e)
                 outputs.append(SeqOutput(w.seq_id, [], error=f"{type(e).__name__}: {e}"))
@@ -250,9 +258,10 @@ class StageWorker:
                     )
         return outputs
 
-    def _sample_one(self, w: SeqWork, hn: torch.Tensor, a: int, b: int):
+    def _sample_one(self, w: SeqWork, hn: torch.Tensor, a: int, b: int, lg_all, i: int):
         """One sequence's rows [a, b) of the normed hidden: its prompt logprobs, its sampled
-        token(s) or draft verification -> (output, emitted, draft rejected, state)."""
+        token(s) or draft verification -> (output, emitted, draft rejected, state). lg_all[i:]:
+        the logits of the rows it samples from (its last; a draft's last two)."""
         m = self.model
         st = self._state(w)
         p = st.params
@@ -270,12 +279,12 @@ class StageWorker:
         if w.sample:
             self._grammar(st)
             if w.draft is None:
-                lg = m.logits(hn[b - 1 : b])[0].cpu()
+                lg = lg_all[i]
                 tok = sample_one(self._processed(st, lg, st.history), p, st.gen)
                 self._advance(st, tok)
                 emitted, rows = [tok], [lg]
             else:
-                lg = m.logits(hn[b - 2 : b]).cpu()
+                lg = lg_all[i : i + 2]
                 # under a grammar the target is masked: a forbidden draft has p = 0, never accepted
                 pr = target_probs(self._processed(st, lg[0], st.history), p)
                 ok, repl = verify_draft(pr, st.draft_q, w.draft, p.greedy, st.gen)
