@@ -1,8 +1,8 @@
 """CPU backend: the reference. Plain torch, gloo between processes, and per hot op the fastest
 exact method on this CPU: the packed MXFP4 kernel and the fused DSA selection (reference
-fallbacks when they cannot build), torch.topk selection, a decode step's few-row bf16 products in
-C, and larger bf16 products in fp32 on CPUs without bf16 GEMM instructions; the other ops are the
-references themselves."""
+fallbacks when they cannot build), torch.topk selection, a decode step's few-row bf16 products,
+norms, ropes and sparse attention in C, and larger bf16 products in fp32 on CPUs without bf16
+GEMM instructions; the other ops are the references themselves."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from . import Backend
 
 @functools.cache
 def cpu_ops():
-    from dist_glm5.kernels import bf16_gemv, dsa_select
-    from dist_glm5.ops import linear, reference_ops
+    from dist_glm5.kernels import bf16_gemv, dsa_select, mla_decode, norm_rope
+    from dist_glm5.ops import attention, linear, reference_ops
     from dist_glm5.ops.experts import cpu_experts_ops
     from dist_glm5.ops.topk import select_topk_sorted
 
@@ -27,6 +27,12 @@ def cpu_ops():
         prod = linear.few_rows_first(bf16_gemv.linear, bf16_gemv.fits, prod)
     experts = cpu_experts_ops(prod) if prod is not ref.linear else cpu_experts_ops()
     fused = dsa_select.available()  # else: score + select + list in torch, as the reference
+    small = norm_rope.available()  # a decode step's norms and ropes in one C call each
+    einsum = linear.einsum_fp32_gemm if wide else ref.einsum
+    # the sparse decode's torch form, with this backend's products
+    decode = functools.partial(attention.absorbed_gathered, einsum=einsum)
+    if mla_decode.available():  # one C call per layer
+        decode = functools.partial(mla_decode.absorbed_gathered, fallback=decode)
     return dataclasses.replace(
         ref,
         name=f"cpu({experts.name}{', fp32 GEMM' if wide else ''}{', bf16 GEMV' if gemv else ''})",
@@ -34,7 +40,14 @@ def cpu_ops():
         select_topk=select_topk_sorted,
         select_rows=dsa_select.select_rows if fused else None,
         linear=prod,
-        einsum=linear.einsum_fp32_gemm if wide else ref.einsum,
+        einsum=einsum,
+        absorbed_gathered=decode,
+        rms_norm=functools.partial(norm_rope.rms_norm, fallback=ref.rms_norm)
+        if small
+        else ref.rms_norm,
+        apply_rope=functools.partial(norm_rope.apply_rope, fallback=ref.apply_rope)
+        if small
+        else ref.apply_rope,
     )
 
 

@@ -226,14 +226,17 @@ class MLA(nn.Module):
                 keep = chosen.keep
                 listed = (chosen.slots, chosen.valid) if chosen.slots is not None else None
                 gkeep.append(chosen)
-                q_lat = self.ops.einsum("nhd,hdc->nhc", a.q_nope[toks], w_uk)
                 if small:  # decode: gather exactly each row's selected keys
                     s_, ok = listed or dsa.selected_slots(keep, keys, self.topk)
                     pad = self.topk - s_.shape[1]
-                    dec_slots.append(torch.nn.functional.pad(s_, (0, pad), value=keys.first))
-                    dec_ok.append(torch.nn.functional.pad(ok, (0, pad), value=False))
-                    toks_all.append((toks, q_lat))
+                    if pad:
+                        s_ = torch.nn.functional.pad(s_, (0, pad), value=keys.first)
+                        ok = torch.nn.functional.pad(ok, (0, pad), value=False)
+                    dec_slots.append(s_)
+                    dec_ok.append(ok)
+                    toks_all.append(toks)
                 else:
+                    q_lat = self.ops.einsum("nhd,hdc->nhc", a.q_nope[toks], w_uk)
                     o_lat = dsa.sparse_prefill(
                         q_lat,
                         a.q_rot[toks],
@@ -248,19 +251,19 @@ class MLA(nn.Module):
                         listed,
                     )
                     out[toks] = self.ops.einsum("nhc,hvc->nhv", o_lat.to(out.dtype), w_uv)
-            if small:
-                toks = torch.cat([t for t, _ in toks_all])
-                q_lat = torch.cat([q for _, q in toks_all])
-                o_lat = self.ops.attend_gathered(
-                    q_lat,
+            if small:  # every decode row of the group in one call: W_uk, attention, W_uv
+                one = len(toks_all) == 1
+                toks = toks_all[0] if one else torch.cat(toks_all)
+                out[toks] = self.ops.absorbed_gathered(
+                    a.q_nope[toks],
                     a.q_rot[toks],
+                    self.kv_b_proj.weight,
                     a.kv_store,
-                    torch.cat(dec_slots),
-                    torch.cat(dec_ok),
-                    c,
+                    dec_slots[0] if one else torch.cat(dec_slots),
+                    dec_ok[0] if one else torch.cat(dec_ok),
+                    self.nope,
                     self.scale,
                     self.dsa.gather_cap_bytes,
                 )
-                out[toks] = self.ops.einsum("nhc,hvc->nhv", o_lat.to(out.dtype), w_uv)
             keeps.append(gkeep)
         return out, keeps

@@ -37,6 +37,10 @@ class Ops:
     # an online softmax (ops/attention.py): -> latent output [n, h, c] fp32
     attend_gathered: "Fn"
     attend_absorbed_chunked: "Fn"
+    # the whole sparse decode: (q_nope [n, h, nope], q_rot [n, h, r], w_kv_b, kv_store, slots,
+    # valid [n, k], nope, scale, cap) -> [n, h, v] in q_nope's dtype: W_uk, attend_gathered,
+    # W_uv (ops/attention.absorbed_gathered)
+    absorbed_gathered: "Fn"
     rms_norm: "Fn"  # (x [..., D], weight [D], eps) -> [..., D] (ops/norm.py)
     # dense projections (model/linear.Linear) and the MLA head products with kv_b_proj's
     # weight, in the activation dtype: (x [..., K], w [N, K], bias) -> [..., N] and
@@ -70,6 +74,7 @@ def reference_ops() -> Ops:
         mla_absorbed=attention.mla_absorbed,
         attend_gathered=attention.attend_gathered,
         attend_absorbed_chunked=attention.attend_absorbed_chunked,
+        absorbed_gathered=attention.absorbed_gathered,
         rms_norm=rms_norm,
         linear=linear,
         einsum=einsum,

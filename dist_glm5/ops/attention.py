@@ -5,7 +5,8 @@ Dense over a group's keys with a keep mask, two forms of the same math:
 - `mla_absorbed` (decode): fold kv_b_proj's key half into the query and its value half into the
   output, so attention runs directly over the compressed latent cache (what serving kernels do).
 Sparse (DSA), over the latent cache rows [kv_a_layernorm(latent) | roped k_rot], absorbed form:
-- `attend_gathered` (decode): each query row over its own <= topk gathered rows.
+- `attend_gathered` (decode): each query row over its own <= topk gathered rows;
+  `absorbed_gathered` is the whole decode around it (W_uk before, W_uv after).
 - `attend_absorbed_chunked` (prefill): candidate keys in capped chunks with an online softmax
   (fp32 statistics), so no gather exceeds the cap and no [queries, context] score matrix is
   materialised at once.
@@ -160,3 +161,26 @@ def attend_gathered(
         p = torch.softmax(s, -1)
         out[a:b] = torch.einsum("nhk,nkc->nhc", p, lat)
     return out
+
+
+def absorbed_gathered(
+    q_nope: torch.Tensor,
+    q_rot: torch.Tensor,
+    w_kv_b: torch.Tensor,
+    kv_store: torch.Tensor,
+    sel_slots: torch.Tensor,
+    sel_valid: torch.Tensor,
+    nope: int,
+    scale: float,
+    cap: int,
+    einsum=torch.einsum,
+    attend=attend_gathered,
+) -> torch.Tensor:
+    """Sparse decode, whole: q_nope [n, h, nope] folded through W_uk, `attend` (attend_gathered)
+    over each row's selected rows, the latent output through W_uv -> out [n, h, v] in q_nope's
+    dtype. w_kv_b: kv_b_proj's weight [h * (nope + v), c]; einsum, attend: the backend's."""
+    h, c = q_nope.shape[1], kv_store.shape[1] - q_rot.shape[-1]
+    w = w_kv_b.view(h, -1, c)
+    q_lat = einsum("nhd,hdc->nhc", q_nope, w[:, :nope])
+    o_lat = attend(q_lat, q_rot, kv_store, sel_slots, sel_valid, c, scale, cap)
+    return einsum("nhc,hvc->nhv", o_lat.to(q_nope.dtype), w[:, nope:])

@@ -21,6 +21,7 @@ from . import _hf, env
 def hpu_ops():
     import dataclasses
 
+    from dist_glm5.ops import attention as ref_attention
     from dist_glm5.ops import reference_ops
 
     from . import attention, indexer, norm_rope
@@ -36,6 +37,9 @@ def hpu_ops():
         mla_absorbed=attention.mla_absorbed,
         attend_gathered=attention.attend_gathered,
         attend_absorbed_chunked=attention.attend_absorbed_chunked,
+        absorbed_gathered=functools.partial(
+            ref_attention.absorbed_gathered, attend=attention.attend_gathered
+        ),
         rms_norm=norm_rope.rms_norm,
         apply_rope=norm_rope.apply_rope,
     )

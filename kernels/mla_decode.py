@@ -1,0 +1,89 @@
+"""Sparse MLA decode in one C call per layer (kernels/mla_decode.c): `absorbed_gathered`, the
+signature of ops/attention.absorbed_gathered (W_uk, attend_gathered, W_uv), which stays the
+reference beside it and takes what this does not (mixed dtypes, a rope dim over 64).
+`available()` is False when the kernel cannot build or DIST_GLM5_KERNELS=0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import torch
+
+from .build import disabled, load
+
+SOURCE = Path(__file__).with_name("mla_decode.c")
+DTYPES = (torch.bfloat16, torch.float32)
+
+_lib: ctypes.CDLL | None = None
+_loaded = False
+_lock = threading.Lock()
+
+
+def _library() -> ctypes.CDLL | None:
+    global _lib, _loaded
+    if _loaded:
+        return _lib
+    with _lock:
+        if not _loaded:
+            try:
+                if not disabled():
+                    lib = load(SOURCE)
+                    if lib is not None:
+                        p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+                        lib.mla_decode.argtypes = [
+                            p, i64, i64, p, p, p, p, p, i, i, i, i, i, i, i, f, i, p, i,
+                        ]  # fmt: skip
+                        lib.mla_decode.restype = i
+                        _lib = lib
+            finally:
+                _loaded = True
+    return _lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def absorbed_gathered(
+    q_nope, q_rot, w_kv_b, kv_store, sel_slots, sel_valid, nope, scale, cap, fallback=None
+):
+    """q_nope [n, h, nope], q_rot [n, h, r], w_kv_b [h * (nope + v), c], kv_store [S, c + r],
+    sel_slots/sel_valid [n, k] -> [n, h, v] in q_nope's dtype. cap: unused (nothing is
+    gathered); `fallback` takes what the kernel does not."""
+    lib = _library()
+    dt = q_nope.dtype
+    n, h = q_nope.shape[0], q_nope.shape[1]
+    r = q_rot.shape[-1]
+    c = kv_store.shape[1] - r
+    ok = (
+        lib is not None
+        and dt in DTYPES
+        and q_rot.dtype == w_kv_b.dtype == kv_store.dtype == dt
+        and q_nope.dim() == 3
+        and q_nope.stride(-1) == 1
+        and q_rot.is_contiguous()
+        and w_kv_b.is_contiguous()
+        and kv_store.is_contiguous()
+        and r <= 64
+        and w_kv_b.shape[1] == c
+    )
+    if not ok:
+        if fallback is None:
+            raise RuntimeError("mla_decode: unsupported dtypes or layout, and no fallback")
+        return fallback(q_nope, q_rot, w_kv_b, kv_store, sel_slots, sel_valid, nope, scale, cap)
+    v = w_kv_b.shape[0] // h - nope
+    slots = sel_slots.to(torch.int64).contiguous()
+    valid = sel_valid.to(torch.bool).contiguous()
+    out = torch.empty(n, h, v, dtype=dt)
+    rc = lib.mla_decode(
+        q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1), q_rot.data_ptr(),
+        w_kv_b.data_ptr(), kv_store.data_ptr(), slots.data_ptr(), valid.data_ptr(),
+        n, h, nope, v, c, r, slots.shape[1], scale, int(dt == torch.bfloat16), out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("mla_decode: no memory for its scratch")
+    return out

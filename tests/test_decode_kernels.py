@@ -1,0 +1,148 @@
+"""The decode step's small C kernels against the torch references they stand beside:
+kernels/norm_rope.c (RMSNorm, rotary embedding) and kernels/mla_decode.c (the whole sparse MLA
+decode: W_uk, attention over the selected rows, W_uv), each also against float64 of the same
+math; the CPU backend routing what they do not take to the references; and the shipped model's
+greedy tokens the same with the kernels as with the torch forms."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from dist_glm5.backends import get_backend
+from dist_glm5.kernels import mla_decode, norm_rope
+from dist_glm5.ops import attention
+from dist_glm5.ops.linear import einsum_fp32_gemm
+from dist_glm5.ops.norm import rms_norm
+from dist_glm5.ops.rope import apply_rope
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def test_kernels_build_here():
+    # gcc is on every machine we test on: a kernel that does not build is a failure, not a skip
+    assert norm_rope.available() and mla_decode.available()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_is_the_references(dtype):
+    g = torch.Generator().manual_seed(0)
+    for shape in ((1, 1024), (3, 256), (7, 130)):
+        x = torch.randn(*shape, generator=g).to(dtype)
+        w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype)
+        got, want = norm_rope.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5)
+        assert got.dtype == dtype and got.shape == x.shape
+        if dtype == torch.bfloat16:  # fp32 statistics differ only in summation order
+            assert ulps(got, want).max() <= 1 and (got == want).float().mean() > 0.99
+        else:
+            torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-7)
+        # float64: x / rms(x) * w
+        x64 = x.double()
+        exact = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+        tol = 2**-7 if dtype == torch.bfloat16 else 1e-6
+        assert ((got.double() - exact).abs() <= tol * exact.abs() + 1e-6).all()
+    # a slice of a wider row (ckv[:, :kv_lora]) reads its rows by their stride
+    wide = torch.randn(4, 160, generator=g).to(dtype)
+    w = torch.rand(128, generator=g).to(dtype)
+    got = norm_rope.rms_norm(wide[:, :128], w, 1e-6)
+    assert torch.allclose(got.float(), rms_norm(wide[:, :128].contiguous(), w, 1e-6).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_is_the_references_bit_for_bit(dtype, interleave):
+    """Every bf16 product and sum rounded where torch's eager ops round: identical bits."""
+    g = torch.Generator().manual_seed(1)
+    cos, sin = torch.rand(3, 16, generator=g), torch.rand(3, 16, generator=g)
+    views = (
+        torch.randn(3, 8, 96, generator=g).to(dtype)[..., 64:],  # q_rot of q (strided heads)
+        torch.randn(3, 160, generator=g).to(dtype)[:, None, 128:],  # k_rot of ckv
+        torch.randn(3, 64, generator=g).to(dtype)[:, :32],  # the indexer's first dims, 2-D
+    )
+    for x in views:
+        got = norm_rope.apply_rope(x, cos, sin, interleave)
+        assert torch.equal(got, apply_rope(x, cos, sin, interleave))
+    x = views[0].double()
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else (x[..., :16], x[..., 16:])
+    c, s = cos.double()[:, None], sin.double()[:, None]
+    exact = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+    mag = torch.cat([x1.abs() + x2.abs()] * 2, -1)  # bounds each output's terms
+    tol = 2**-6 if dtype == torch.bfloat16 else 1e-6  # four bf16 roundings at most
+    got = norm_rope.apply_rope(views[0], cos, sin, interleave).double()
+    assert ((got - exact).abs() <= tol * mag + 1e-7).all()
+
+
+def _decode_case(dtype, n=3, h=8, nope=64, v=64, c=128, r=32, S=500, k=256, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, h, nope + r, generator=g).to(dtype)
+    w = (torch.randn(h * (nope + v), c, generator=g) * 0.1).to(dtype)
+    kv = torch.randn(S, c + r, generator=g).to(dtype)
+    slots = torch.randint(0, S, (n, k), generator=g)
+    valid = torch.rand(n, k, generator=g) > 0.3
+    valid[:, 0] = True  # a row always keeps at least itself
+    return q[..., :nope], q[..., nope:].contiguous(), w, kv, slots, valid, nope
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mla_decode_is_the_torch_form(dtype):
+    qn, qr, w, kv, slots, valid, nope = _decode_case(dtype)
+    got = mla_decode.absorbed_gathered(qn, qr, w, kv, slots, valid, nope, 0.1, 1 << 29)
+    want = attention.absorbed_gathered(
+        qn, qr, w, kv, slots, valid, nope, 0.1, 1 << 29, einsum=einsum_fp32_gemm
+    )
+    exact = attention.absorbed_gathered(
+        qn.double(), qr.double(), w.double(), kv.double(), slots, valid, nope, 0.1, 1 << 29
+    )
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.bfloat16:
+        assert ulps(got, want).max() <= 1 and (got == want).float().mean() > 0.99
+        # three bf16 roundings (q_lat, o_lat, out) against float64 throughout
+        assert ((got.double() - exact).abs() <= 0.02 * exact.abs().max()).all()
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-6)
+
+
+def test_the_backend_routes_what_the_kernels_do_not_take_to_the_references():
+    ops = get_backend("cpu").ops()
+    g = torch.Generator().manual_seed(3)
+    many = torch.randn(norm_rope.ROWS + 1, 64, generator=g).bfloat16()
+    w = torch.rand(64, generator=g).bfloat16()
+    assert torch.equal(ops.rms_norm(many, w, 1e-5), rms_norm(many, w, 1e-5))
+    half = torch.randn(2, 64, generator=g).half()  # no fp16 path: the reference
+    assert torch.equal(ops.rms_norm(half, w.half(), 1e-5), rms_norm(half, w.half(), 1e-5))
+    qn, qr, w, kv, slots, valid, nope = _decode_case(torch.bfloat16)
+    mixed = ops.absorbed_gathered(qn, qr, w, kv.float(), slots, valid, nope, 0.1, 1 << 29)
+    ref = attention.absorbed_gathered(qn, qr, w, kv.float(), slots, valid, nope, 0.1, 1 << 29)
+    assert mixed.shape == ref.shape  # the torch form took it (mixed dtypes)
+    with pytest.raises(RuntimeError, match="no fallback"):
+        norm_rope.rms_norm(many, w[:64], 1e-5)
+
+
+def test_the_shipped_model_gives_the_same_tokens_with_the_kernels():
+    from dist_glm5.checkpoint.default_model import ensure_default_model
+    from dist_glm5.checkpoint.loader import load_model
+    from dist_glm5.model.dsa_config import DSAConfig
+    from dist_glm5.model.reference_loop import generate
+    from dist_glm5.sampling.params import SamplingParams
+
+    ops = get_backend("cpu").ops()
+    torch_forms = dataclasses.replace(
+        ops,
+        rms_norm=rms_norm,
+        apply_rope=apply_rope,
+        absorbed_gathered=functools.partial(attention.absorbed_gathered, einsum=ops.einsum),
+    )
+    text = [list(b"def parse(line):\n    key, _, value = line.partition("), list(b'{"a": [1, ')]
+    P = SamplingParams(max_tokens=24, ignore_eos=True)
+    toks = []
+    with torch.no_grad():
+        for o in (ops, torch_forms):
+            m = load_model(ensure_default_model(), ops=o, dsa=DSAConfig(mode="sparse"))
+            toks.append([x.token_ids for x in generate(m, text, P)])
+    assert toks[0] == toks[1]
