@@ -1,4 +1,5 @@
-/* bf16 products of a few rows: y[m, N] = x[m, K] . w[N, K]^T (+ b[N]), bf16 in and out.
+/* bf16 products of a few rows: y[m, N] = x[m, K] . w[N, K]^T (+ b[N]), bf16 in and out; and
+ * the routed experts of a few tokens with bf16 weights, built on the same tiles (end of file).
  *
  * Why: a decode step multiplies one row (or a batch's few rows) by every dense weight. On CPUs
  * without bf16 dot-product instructions torch runs that GEMV on a generic path that widens element
@@ -11,6 +12,7 @@
  * Tiles of 8-lane accumulators (8 of 16 AVX2 registers): 4 weight rows x 2 x rows for one or two
  * rows (four weight streams in flight from DRAM), 2 x 4 for more; weight rows split over threads. target_clones: GCC picks AVX-512 / AVX2+FMA / baseline at load time.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -142,4 +144,91 @@ CLONES int bf16_gemv(const uint16_t *x, int m, int K, const uint16_t *w, int N, 
     }
     free(xf);
     return 0;
+}
+
+/* ----- Routed experts with bf16 weights, for a few tokens: what ops/experts.experts_reference
+ * does with torch's bf16 ops, every rounding where torch rounds (gate and up products, silu, their
+ * product, the down product, the route weight, and each expert's add into the output in
+ * ascending expert order), the products by the tiles above. The reference loops over experts in
+ * Python: about ten eager ops per expert, 8 experts per layer, which at batch 1 cost more than
+ * reading the experts' weights. */
+
+static inline float silu_bf(float g) { return bf16_to_f32(f32_to_bf16(g / (1.0f + expf(-g)))); }
+static inline float rnd(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* x [T, H] bf16, ids [T, k] int32 global, tw [T, k] fp32, w13 [E, 2I, H], w2 [E, H, I] bf16
+ * (this rank's experts e_min .. e_min+E-1), out [T, H] bf16. Returns 0, or -1 (no memory). */
+CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int32_t *ids,
+                        const float *tw, int e_min, int E, const uint16_t *w13, const uint16_t *w2,
+                        uint16_t *out, int nthreads) {
+    int R = T * k;
+    int *tok = malloc(sizeof(int) * (R + 1)), *slot = malloc(sizeof(int) * (R + 1));
+    int *first = malloc(sizeof(int) * (E + 1));
+    float *xf = malloc(sizeof(float) * ((size_t)T * H + 1)),
+          *act = malloc(sizeof(float) * ((size_t)T * I + 1)),
+          *acc = malloc(sizeof(float) * ((size_t)T * H + 1));
+    uint16_t *g16 = malloc(sizeof(uint16_t) * ((size_t)T * 2 * I + 1)),
+             *y16 = malloc(sizeof(uint16_t) * ((size_t)T * H + 1));
+    int rc = -1;
+    if (!tok || !slot || !first || !xf || !act || !acc || !g16 || !y16) goto done;
+    /* routes grouped by local expert, ascending (counting sort: tokens keep their order) */
+    memset(first, 0, sizeof(int) * (E + 1));
+    for (int r = 0; r < R; r++) {
+        int e = ids[r] - e_min;
+        if (e >= 0 && e < E) first[e + 1]++;
+    }
+    for (int e = 0; e < E; e++) first[e + 1] += first[e];
+    {
+        int *fill = malloc(sizeof(int) * (E + 1));
+        if (!fill) goto done;
+        memcpy(fill, first, sizeof(int) * (E + 1));
+        for (int r = 0; r < R; r++) {
+            int e = ids[r] - e_min;
+            if (e >= 0 && e < E) {
+                tok[fill[e]] = r / k;
+                slot[fill[e]++] = r % k;
+            }
+        }
+        free(fill);
+    }
+    for (int64_t i = 0; i < (int64_t)T * H; i++) acc[i] = 0.0f; /* torch.zeros_like(x) */
+    int nt = nthreads > 1 ? nthreads : 1;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    for (int e = 0; e < E; e++) {
+        int a = first[e], n = first[e + 1] - a;
+        if (n == 0) continue; /* the same on every thread: no barrier skipped by some */
+#pragma omp single
+        for (int j = 0; j < n; j++)
+            for (int h = 0; h < H; h++) xf[(int64_t)j * H + h] = bf16_to_f32(x[(int64_t)tok[a + j] * H + h]);
+        const uint16_t *we = w13 + (int64_t)e * 2 * I * H;
+#pragma omp for schedule(static)
+        for (int q = 0; q < (2 * I + 3) / 4; q++) {
+            int n0 = 4 * q, wr = 2 * I - n0 < 4 ? 2 * I - n0 : 4;
+            rows(xf, n, H, we, n0, wr, NULL, g16, 2 * I);
+        }
+#pragma omp single
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < I; i++) {
+                float g = bf16_to_f32(g16[(int64_t)j * 2 * I + i]);
+                float u = bf16_to_f32(g16[(int64_t)j * 2 * I + I + i]);
+                act[(int64_t)j * I + i] = rnd(silu_bf(g) * u);
+            }
+        const uint16_t *wd = w2 + (int64_t)e * H * I;
+#pragma omp for schedule(static)
+        for (int q = 0; q < (H + 3) / 4; q++) {
+            int n0 = 4 * q, wr = H - n0 < 4 ? H - n0 : 4;
+            rows(act, n, I, wd, n0, wr, NULL, y16, H);
+        }
+#pragma omp single
+        for (int j = 0; j < n; j++) {
+            float wt = rnd(tw[(int64_t)tok[a + j] * k + slot[a + j]]);
+            float *o = acc + (int64_t)tok[a + j] * H;
+            for (int h = 0; h < H; h++) o[h] = rnd(o[h] + rnd(bf16_to_f32(y16[(int64_t)j * H + h]) * wt));
+        }
+    }
+    for (int64_t i = 0; i < (int64_t)T * H; i++) out[i] = f32_to_bf16(acc[i]);
+    rc = 0;
+done:
+    free(tok), free(slot), free(first), free(xf), free(act), free(acc), free(g16), free(y16);
+    return rc;
 }

@@ -1,5 +1,7 @@
 """bf16 products of a few rows in C (kernels/bf16_gemv.c): `linear(x, w, b)`, torch's F.linear
-for bf16 x [..., K] with at most ROWS rows and bf16 w [N, K], bias [N] -> [..., N] bf16.
+for bf16 x [..., K] with at most ROWS rows and bf16 w [N, K], bias [N] -> [..., N] bf16; and
+`experts(...)`, ops/experts.experts_dense_reference for at most ROWS tokens with bf16 weights
+(the reference beside it, which takes every other call).
 
 The reference beside it is F.linear itself (ops/linear.py); the kernel only changes the order of
 the fp32 additions. `available()` is False when it cannot build or DIST_GLM5_KERNELS=0; callers
@@ -39,6 +41,8 @@ def _library() -> ctypes.CDLL | None:
                         p, i = ctypes.c_void_p, ctypes.c_int
                         lib.bf16_gemv.argtypes = [p, i, i, p, i, p, p, i]
                         lib.bf16_gemv.restype = i
+                        lib.bf16_experts.argtypes = [p, i, i, i, i, p, p, i, i, p, p, p, i]
+                        lib.bf16_experts.restype = i
                         _lib = lib
             finally:
                 _loaded = True
@@ -85,3 +89,39 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if rc != 0:
         raise MemoryError("bf16_gemv: no memory for the fp32 copy of x")
     return y
+
+
+def experts(x, topk_ids, topk_weights, w13, w2, experts_min, experts_max, fallback=None):
+    """ops/experts.experts_dense's contract: x [T, H], topk_ids [T, k] global ids, topk_weights
+    [T, k], w13 [E, 2I, H], w2 [E, H, I] -> [T, H], this rank's experts only. Takes bf16 x and
+    weights (contiguous) of at most ROWS tokens; `fallback` takes the rest."""
+    lib = _library()
+    T, H = x.shape
+    ok = (
+        lib is not None
+        and x.dtype == w13.dtype == w2.dtype == torch.bfloat16
+        and 0 < T <= ROWS
+        and w13.is_contiguous()
+        and w2.is_contiguous()
+    )
+    if not ok:
+        if fallback is None:
+            raise RuntimeError("bf16_gemv.experts: not a few-token bf16 call, and no fallback")
+        return fallback(x, topk_ids, topk_weights, w13, w2, experts_min, experts_max)
+    E, I = w13.shape[0], w2.shape[2]
+    if experts_max - experts_min + 1 != E or w13.shape[1:] != (2 * I, H) or w2.shape[1] != H:
+        raise ValueError(
+            f"bf16 experts: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not make experts "
+            f"{experts_min}..{experts_max} of hidden {H}"
+        )
+    xc = x.contiguous()
+    ids = topk_ids.to(torch.int32).contiguous()
+    tw = topk_weights.to(torch.float32).contiguous()
+    out = torch.empty(T, H, dtype=torch.bfloat16)
+    rc = lib.bf16_experts(
+        xc.data_ptr(), T, H, I, ids.shape[1], ids.data_ptr(), tw.data_ptr(), experts_min, E,
+        w13.data_ptr(), w2.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("bf16_gemv.experts: no memory for its buffers")
+    return out

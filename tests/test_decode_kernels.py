@@ -1,8 +1,9 @@
 """The decode step's small C kernels against the torch references they stand beside:
-kernels/norm_rope.c (RMSNorm, rotary embedding) and kernels/mla_decode.c (the whole sparse MLA
+kernels/norm_rope.c (RMSNorm, rotary embedding), kernels/mla_decode.c (the whole sparse MLA
 decode: W_uk, attention over the selected rows, W_uv), each also against float64 of the same
-math; the CPU backend routing what they do not take to the references; and the shipped model's
-greedy tokens the same with the kernels as with the torch forms."""
+math, and kernels/bf16_gemv.c's routed experts against ops/experts' loop; the CPU backend
+routing what they do not take to the references; and the shipped model's greedy tokens the same
+with the kernels as with the torch forms."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from dist_glm5.backends import get_backend
-from dist_glm5.kernels import mla_decode, norm_rope
+from dist_glm5.kernels import bf16_gemv, mla_decode, norm_rope
 from dist_glm5.ops import attention
+from dist_glm5.ops.experts import experts_dense_reference
 from dist_glm5.ops.linear import einsum_fp32_gemm
 from dist_glm5.ops.norm import rms_norm
 from dist_glm5.ops.rope import apply_rope
@@ -108,6 +110,34 @@ def test_mla_decode_is_the_torch_form(dtype):
         torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_experts_are_the_loops_roundings(threads):
+    """Every bf16 rounding where the Python loop's torch ops round: equal to it but for the
+    order of the fp32 sums in the products (at most one bf16 step, almost all equal); ids
+    outside this rank's range contribute nothing; against float64 of the same math."""
+    g = torch.Generator().manual_seed(5)
+    T, H, I, E, k = bf16_gemv.ROWS, 256, 96, 16, 4
+    x = torch.randn(T, H, generator=g).bfloat16()
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.1).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) * 0.1).bfloat16()
+    ids = torch.stack([torch.randperm(24, generator=g)[:k] for _ in range(T)]).int()
+    tw = torch.rand(T, k, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for t in (1, 3, T):
+            got = bf16_gemv.experts(x[:t], ids[:t], tw[:t], w13, w2, 4, 4 + E - 1)
+            want = experts_dense_reference(x[:t], ids[:t], tw[:t], w13, w2, 4, 4 + E - 1)
+            assert ulps(got, want).max() <= 1 and (got == want).float().mean() > 0.99
+    finally:
+        torch.set_num_threads(before)
+    exact = experts_dense_reference(x.double(), ids, tw.double(), w13.double(), w2.double(), 4, 19)
+    assert ((got.double() - exact).abs() <= 0.03 * exact.abs().max()).all()
+    local = (ids >= 4) & (ids <= 19)
+    none = ~local.any(1)
+    assert (got[none] == 0).all()  # a token none of whose experts are here gets nothing
+
+
 def test_the_backend_routes_what_the_kernels_do_not_take_to_the_references():
     ops = get_backend("cpu").ops()
     g = torch.Generator().manual_seed(3)
@@ -122,6 +152,12 @@ def test_the_backend_routes_what_the_kernels_do_not_take_to_the_references():
     assert mixed.shape == ref.shape  # the torch form took it (mixed dtypes)
     with pytest.raises(RuntimeError, match="no fallback"):
         norm_rope.rms_norm(many, w[:64], 1e-5)
+    # more tokens than the experts kernel takes: the loop
+    x = torch.randn(bf16_gemv.ROWS + 1, 64, generator=g).bfloat16()
+    w13, w2 = torch.randn(4, 32, 64).bfloat16(), torch.randn(4, 64, 16).bfloat16()
+    ids, tw = torch.randint(0, 4, (x.shape[0], 2)).int(), torch.rand(x.shape[0], 2)
+    want = experts_dense_reference(x, ids, tw, w13, w2, 0, 3, linear=ops.linear)
+    assert torch.equal(ops.experts.dense(x, ids, tw, w13, w2, 0, 3), want)
 
 
 def test_the_shipped_model_gives_the_same_tokens_with_the_kernels():
@@ -137,6 +173,9 @@ def test_the_shipped_model_gives_the_same_tokens_with_the_kernels():
         rms_norm=rms_norm,
         apply_rope=apply_rope,
         absorbed_gathered=functools.partial(attention.absorbed_gathered, einsum=ops.einsum),
+        experts=dataclasses.replace(
+            ops.experts, dense=functools.partial(experts_dense_reference, linear=ops.linear)
+        ),
     )
     text = [list(b"def parse(line):\n    key, _, value = line.partition("), list(b'{"a": [1, ')]
     P = SamplingParams(max_tokens=24, ignore_eos=True)

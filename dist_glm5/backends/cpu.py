@@ -26,6 +26,10 @@ def cpu_ops():
     if gemv:
         prod = linear.few_rows_first(bf16_gemv.linear, bf16_gemv.fits, prod)
     experts = cpu_experts_ops(prod) if prod is not ref.linear else cpu_experts_ops()
+    if gemv:  # a few tokens' bf16 experts in one C call, not a Python loop over experts
+        experts = dataclasses.replace(
+            experts, dense=functools.partial(bf16_gemv.experts, fallback=experts.dense)
+        )
     fused = dsa_select.available()  # else: score + select + list in torch, as the reference
     small = norm_rope.available()  # a decode step's norms and ropes in one C call each
     einsum = linear.einsum_fp32_gemm if wide else ref.einsum
