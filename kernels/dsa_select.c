@@ -216,10 +216,13 @@ static int64_t select_row(const float *s, int64_t m, int64_t k, const float *bma
     return o;
 }
 
-/* Returns 0, or -1 if D > 256. out_pos [n, k] (ascending; unused tail left as is), out_cnt [n]. */
+/* Returns 0, or -1 if D > 256. out_pos [n, k] (ascending; the unused tail repeats the first
+ * pick), out_cnt [n]; out_slots [n, k] the picks' cache slots (through the block table, the tail
+ * likewise) and out_valid [n, k] (1 for the real picks), each when not NULL. */
 int dsa_select(const float *q, const float *w, int n, int H, int D, const void *store, int bf16,
                const int64_t *table, int bs, int64_t L, const int64_t *q_pos, int k,
-               float *scores, int64_t *out_pos, int32_t *out_cnt, int nthreads) {
+               float *scores, int64_t *out_pos, int32_t *out_cnt, int64_t *out_slots,
+               uint8_t *out_valid, int nthreads) {
     if (D > 256) return -1;
     const int64_t ldm = (L + 63) / 64;
     /* the scan's block maxima: on the 64-key grid only when the cache's blocks tile it */
@@ -243,6 +246,13 @@ int dsa_select(const float *q, const float *w, int n, int H, int D, const void *
                 c = select_row(s, m, k, bmax ? bmax + (int64_t)r * ldm : NULL, vals, idx, pos);
             }
             out_cnt[r] = (int32_t)c;
+            for (int64_t j = c; j < k; j++) pos[j] = c ? pos[0] : 0; /* padding: the first pick */
+            if (out_slots) {
+                int64_t *sl = out_slots + (int64_t)r * k;
+                for (int64_t j = 0; j < k; j++) sl[j] = table[pos[j] / bs] * bs + pos[j] % bs;
+            }
+            if (out_valid)
+                for (int64_t j = 0; j < k; j++) out_valid[(int64_t)r * k + j] = j < c;
         }
         free(vals);
         free(idx);

@@ -40,7 +40,9 @@ def _library() -> ctypes.CDLL | None:
                     lib = load(SOURCE)
                     if lib is not None:
                         p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-                        lib.dsa_select.argtypes = [p, p, i, i, i, p, i, p, i, i64, p, i, p, p, p, i]
+                        lib.dsa_select.argtypes = [
+                            p, p, i, i, i, p, i, p, i, i64, p, i, p, p, p, p, p, i,
+                        ]  # fmt: skip
                         lib.dsa_select.restype = i
                         _lib = lib
             finally:
@@ -83,8 +85,10 @@ def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int, keep=Non
     table = keys.table.to(torch.int64).contiguous()
     qp = q_pos.to(torch.int64).contiguous()
     scores = _scores(n, L)
-    pos = torch.zeros(n, k, dtype=torch.int64)
+    pos = torch.empty(n, k, dtype=torch.int64)
     cnt = torch.empty(n, dtype=torch.int32)
+    slots = torch.empty(n, k, dtype=torch.int64)
+    valid = torch.empty(n, k, dtype=torch.bool)
     rc = lib.dsa_select(
         qf.data_ptr(),
         wf.data_ptr(),
@@ -101,14 +105,14 @@ def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int, keep=Non
         scores.data_ptr(),
         pos.data_ptr(),
         cnt.data_ptr(),
+        slots.data_ptr(),
+        valid.data_ptr(),
         torch.get_num_threads(),
     )
     if rc != 0:
         raise RuntimeError(f"dsa_select failed ({rc}): index_head_dim {D} > 256, or out of memory")
-    valid = torch.arange(k) < cnt[:, None]
-    pos = torch.where(valid, pos, pos[:, :1])  # padding repeats the first pick
     if mask:
         if keep is None:
             keep = torch.zeros(n, L, dtype=torch.bool)
         keep.scatter_(1, pos, True)  # padding repeats a kept position
-    return keep, keys.at(pos), valid
+    return keep, slots, valid
