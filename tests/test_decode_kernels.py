@@ -113,7 +113,8 @@ def test_mla_decode_is_the_torch_form(dtype):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_experts_are_the_loops_roundings(threads):
     """Every bf16 rounding where the Python loop's torch ops round: equal to it but for the
-    order of the fp32 sums in the products (at most one bf16 step, almost all equal); ids
+    order of the fp32 sums in the products (almost all equal; a one-step difference in the
+    gate or up product can carry through silu and the down product to two steps); ids
     outside this rank's range contribute nothing; against float64 of the same math."""
     g = torch.Generator().manual_seed(5)
     T, H, I, E, k = bf16_gemv.ROWS, 256, 96, 16, 4
@@ -128,7 +129,7 @@ def test_bf16_experts_are_the_loops_roundings(threads):
         for t in (1, 3, T):
             got = bf16_gemv.experts(x[:t], ids[:t], tw[:t], w13, w2, 4, 4 + E - 1)
             want = experts_dense_reference(x[:t], ids[:t], tw[:t], w13, w2, 4, 4 + E - 1)
-            assert ulps(got, want).max() <= 1 and (got == want).float().mean() > 0.99
+            assert ulps(got, want).max() <= 2 and (got == want).float().mean() > 0.99
     finally:
         torch.set_num_threads(before)
     exact = experts_dense_reference(x.double(), ids, tw.double(), w13.double(), w2.double(), 4, 19)
