@@ -11,42 +11,31 @@ then keep torch's path.
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
 
-from .build import disabled, load
+from .build import Lazy
 
 SOURCE = Path(__file__).with_name("bf16_gemv.c")
 # The rows up to which the kernel beats the fp32 GEMM (which first widens the whole weight) on
 # this 2-core AVX2 machine, one thread: 1.1-3.1x at 32 rows, 0.7-1.5x at 64 (bench linear).
 ROWS = 32
 
-_lib: ctypes.CDLL | None = None
-_loaded = False
-_lock = threading.Lock()
+
+def _signatures(lib: ctypes.CDLL) -> None:
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.bf16_gemv.argtypes = [p, i, i, p, i, p, p, i]
+    lib.bf16_gemv.restype = i
+    lib.bf16_experts.argtypes = [p, i, i, i, i, p, p, i, i, p, p, p, i]
+    lib.bf16_experts.restype = i
+
+
+_kernel = Lazy(SOURCE, _signatures)
 
 
 def _library() -> ctypes.CDLL | None:
-    global _lib, _loaded
-    if _loaded:
-        return _lib
-    with _lock:
-        if not _loaded:
-            try:
-                if not disabled():
-                    lib = load(SOURCE)
-                    if lib is not None:
-                        p, i = ctypes.c_void_p, ctypes.c_int
-                        lib.bf16_gemv.argtypes = [p, i, i, p, i, p, p, i]
-                        lib.bf16_gemv.restype = i
-                        lib.bf16_experts.argtypes = [p, i, i, i, i, p, p, i, i, p, p, p, i]
-                        lib.bf16_experts.restype = i
-                        _lib = lib
-            finally:
-                _loaded = True
-    return _lib
+    return _kernel.get()
 
 
 def available() -> bool:

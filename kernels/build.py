@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -121,3 +122,30 @@ def _one_line(exc: Exception | None) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     errors = [ln for ln in lines[1:] if "error" in ln.lower()]
     return (errors[0] if errors else lines[0]) if lines else type(exc).__name__
+
+
+class Lazy:
+    """A C kernel's library, built and loaded at first use, once per process (thread-safe):
+    `signatures(lib)` sets its functions' ctypes argtypes and restypes. `get()` is the library,
+    or None when it cannot build or DIST_GLM5_KERNELS=0 (callers take their reference path)."""
+
+    def __init__(self, source: Path, signatures, *flag_sets: tuple[str, ...]):
+        self.source, self.signatures, self.flag_sets = source, signatures, flag_sets
+        self._lib: ctypes.CDLL | None = None
+        self._loaded = False
+        self._lock = threading.Lock()
+
+    def get(self) -> ctypes.CDLL | None:
+        if self._loaded:
+            return self._lib
+        with self._lock:
+            if not self._loaded:
+                try:
+                    if not disabled():
+                        lib = load(self.source, *self.flag_sets)
+                        if lib is not None:
+                            self.signatures(lib)
+                            self._lib = lib
+                finally:
+                    self._loaded = True
+        return self._lib

@@ -18,36 +18,25 @@ from pathlib import Path
 
 import torch
 
-from .build import disabled, load
+from .build import Lazy
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("dsa_select.c")
 
-_lib: ctypes.CDLL | None = None
-_loaded = False
-_lock = threading.Lock()
 _scratch = threading.local()  # per thread: the scores buffer, kept between calls
 
 
+def _signatures(lib: ctypes.CDLL) -> None:
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.dsa_select.argtypes = [p, p, i, i, i, p, i, p, i, i64, p, i, p, p, p, p, p, i]
+    lib.dsa_select.restype = i
+
+
+_kernel = Lazy(SOURCE, _signatures)
+
+
 def _library() -> ctypes.CDLL | None:
-    global _lib, _loaded
-    if _loaded:
-        return _lib
-    with _lock:
-        if not _loaded:
-            try:
-                if not disabled():
-                    lib = load(SOURCE)
-                    if lib is not None:
-                        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-                        lib.dsa_select.argtypes = [
-                            p, p, i, i, i, p, i, p, i, i64, p, i, p, p, p, p, p, i,
-                        ]  # fmt: skip
-                        lib.dsa_select.restype = i
-                        _lib = lib
-            finally:
-                _loaded = True
-    return _lib
+    return _kernel.get()
 
 
 def available() -> bool:

@@ -7,40 +7,27 @@ reference beside it and takes what this does not (mixed dtypes, a rope dim over 
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
 
-from .build import disabled, load
+from .build import Lazy
 
 SOURCE = Path(__file__).with_name("mla_decode.c")
 DTYPES = (torch.bfloat16, torch.float32)
 
-_lib: ctypes.CDLL | None = None
-_loaded = False
-_lock = threading.Lock()
+
+def _signatures(lib: ctypes.CDLL) -> None:
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.mla_decode.argtypes = [p, i64, i64, p, p, p, p, p, i, i, i, i, i, i, i, f, i, p, i]
+    lib.mla_decode.restype = ctypes.c_int
+
+
+_kernel = Lazy(SOURCE, _signatures)
 
 
 def _library() -> ctypes.CDLL | None:
-    global _lib, _loaded
-    if _loaded:
-        return _lib
-    with _lock:
-        if not _loaded:
-            try:
-                if not disabled():
-                    lib = load(SOURCE)
-                    if lib is not None:
-                        p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-                        lib.mla_decode.argtypes = [
-                            p, i64, i64, p, p, p, p, p, i, i, i, i, i, i, i, f, i, p, i,
-                        ]  # fmt: skip
-                        lib.mla_decode.restype = i
-                        _lib = lib
-            finally:
-                _loaded = True
-    return _lib
+    return _kernel.get()
 
 
 def available() -> bool:

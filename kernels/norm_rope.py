@@ -9,41 +9,30 @@ the kernel cannot build or DIST_GLM5_KERNELS=0.
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
 
-from .build import disabled, load
+from .build import Lazy
 
 SOURCE = Path(__file__).with_name("norm_rope.c")
 ROWS = 64  # at most this many rows (tokens) per call; more go to torch
 DTYPES = (torch.bfloat16, torch.float32)
 
-_lib: ctypes.CDLL | None = None
-_loaded = False
-_lock = threading.Lock()
+
+def _signatures(lib: ctypes.CDLL) -> None:
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.rms_norm_rows.argtypes = [p, i64, i, i, i, p, f, p]
+    lib.rms_norm_rows.restype = None
+    lib.rope_rows.argtypes = [p, i64, i64, i, i, i, i, p, p, i, p]
+    lib.rope_rows.restype = None
+
+
+_kernel = Lazy(SOURCE, _signatures, ("-O3", "-fPIC", "-shared", "-std=gnu11", "-lm"))
 
 
 def _library() -> ctypes.CDLL | None:
-    global _lib, _loaded
-    if _loaded:
-        return _lib
-    with _lock:
-        if not _loaded:
-            try:
-                if not disabled():
-                    lib = load(SOURCE, ("-O3", "-fPIC", "-shared", "-std=gnu11", "-lm"))
-                    if lib is not None:
-                        p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-                        lib.rms_norm_rows.argtypes = [p, i64, i, i, i, p, f, p]
-                        lib.rms_norm_rows.restype = None
-                        lib.rope_rows.argtypes = [p, i64, i64, i, i, i, i, p, p, i, p]
-                        lib.rope_rows.restype = None
-                        _lib = lib
-            finally:
-                _loaded = True
-    return _lib
+    return _kernel.get()
 
 
 def available() -> bool:
