@@ -14,6 +14,9 @@
 #pragma GCC optimize("fp-contract=off")
 #include <math.h>
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 static inline float bf(uint16_t b) {
     union { uint32_t u; float f; } v;
@@ -31,21 +34,33 @@ static inline uint16_t to_bf(float f) { /* round to nearest even, NaN stays NaN 
 static inline float rb(float f) { return bf(to_bf(f)); } /* f rounded to bf16, as fp32 */
 
 /* x rows [R, D] (row stride ld elements, last dim contiguous), weight [D], out [R, D]
- * contiguous; all bf16 (is_bf16) or all fp32. */
+ * contiguous; all bf16 (is_bf16) or all fp32. Every row count takes this path (prefill's too, rows
+ * over threads), so a row's result never depends on the rows beside it: the sum of squares is
+ * ours, not torch's, and a row normed here in a decode step and by torch in a prefill-sized one
+ * could round differently. */
 void rms_norm_rows(const void *x, int64_t ld, int R, int D, int is_bf16, const void *w, float eps,
-                   void *out) {
+                   void *out, int nthreads) {
+    int nt = nthreads > 1 && (int64_t)R * D >= (1 << 16) ? nthreads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int r = 0; r < R; r++) {
-        float ss = 0.0f;
+        float acc[8] = {0}, ss;
+        int D8 = D & ~7;
         if (is_bf16) {
             const uint16_t *xr = (const uint16_t *)x + r * ld;
-            for (int d = 0; d < D; d++) ss += bf(xr[d]) * bf(xr[d]);
+            for (int d = 0; d < D8; d += 8)
+                for (int l = 0; l < 8; l++) acc[l] += bf(xr[d + l]) * bf(xr[d + l]);
+            ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+            for (int d = D8; d < D; d++) ss += bf(xr[d]) * bf(xr[d]);
             float k = 1.0f / sqrtf(ss / D + eps);
             uint16_t *o = (uint16_t *)out + (int64_t)r * D;
             const uint16_t *wb = (const uint16_t *)w;
             for (int d = 0; d < D; d++) o[d] = to_bf(bf(wb[d]) * rb(bf(xr[d]) * k));
         } else {
             const float *xr = (const float *)x + r * ld;
-            for (int d = 0; d < D; d++) ss += xr[d] * xr[d];
+            for (int d = 0; d < D8; d += 8)
+                for (int l = 0; l < 8; l++) acc[l] += xr[d + l] * xr[d + l];
+            ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+            for (int d = D8; d < D; d++) ss += xr[d] * xr[d];
             float k = 1.0f / sqrtf(ss / D + eps);
             float *o = (float *)out + (int64_t)r * D;
             const float *wf = (const float *)w;

@@ -1,9 +1,9 @@
 """RMSNorm and rotary embedding of a decode step's few rows in one C call each
 (kernels/norm_rope.c): `rms_norm(x, weight, eps)` and `apply_rope(x, cos, sin, interleave)`,
 the signatures of ops/norm.rms_norm and ops/rope.apply_rope, which stay the references beside
-them and take whatever these do not (more than ROWS rows, where torch's vectorised and threaded
-ops pay; other dtypes; layouts whose last dim is not contiguous). `available()` is False when
-the kernel cannot build or DIST_GLM5_KERNELS=0.
+them and take whatever these do not (other dtypes, layouts whose last dim is not contiguous, and
+for RoPE more than ROWS rows, where torch's vectorised and threaded ops pay). `available()` is
+False when the kernel cannot build or DIST_GLM5_KERNELS=0.
 """
 
 from __future__ import annotations
@@ -16,19 +16,21 @@ import torch
 from .build import Lazy
 
 SOURCE = Path(__file__).with_name("norm_rope.c")
-ROWS = 64  # at most this many rows (tokens) per call; more go to torch
+# RoPE: at most this many rows (tokens) per call, more go to torch (bit for bit the same). RMSNorm
+# takes every row count: its sum of squares is ours, so a row must not switch paths with the batch.
+ROWS = 64
 DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _signatures(lib: ctypes.CDLL) -> None:
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    lib.rms_norm_rows.argtypes = [p, i64, i, i, i, p, f, p]
+    lib.rms_norm_rows.argtypes = [p, i64, i, i, i, p, f, p, i]
     lib.rms_norm_rows.restype = None
     lib.rope_rows.argtypes = [p, i64, i64, i, i, i, i, p, p, i, p]
     lib.rope_rows.restype = None
 
 
-_kernel = Lazy(SOURCE, _signatures, ("-O3", "-fPIC", "-shared", "-std=gnu11", "-lm"))
+_kernel = Lazy(SOURCE, _signatures)
 
 
 def _library() -> ctypes.CDLL | None:
@@ -50,7 +52,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fallback=None) -
         and x.dtype in DTYPES
         and weight.dtype == x.dtype
         and weight.is_contiguous()
-        and 0 < rows <= ROWS
+        and rows > 0
         and x.stride(-1) == 1
         and (x.dim() == 2 or (x.dim() == 1) or x.is_contiguous())
     )
@@ -62,7 +64,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fallback=None) -
     out = torch.empty(x.shape, dtype=x.dtype)
     lib.rms_norm_rows(
         x.data_ptr(), ld, rows, D, int(x.dtype == torch.bfloat16), weight.data_ptr(), eps,
-        out.data_ptr(),
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
 

@@ -144,7 +144,17 @@ def test_the_backend_routes_what_the_kernels_do_not_take_to_the_references():
     g = torch.Generator().manual_seed(3)
     many = torch.randn(norm_rope.ROWS + 1, 64, generator=g).bfloat16()
     w = torch.rand(64, generator=g).bfloat16()
-    assert torch.equal(ops.rms_norm(many, w, 1e-5), rms_norm(many, w, 1e-5))
+    # RMSNorm takes every row count (its sum of squares is not torch's, so a row must not switch
+    # paths with the batch): a row alone gives the bits it gives among many, on 1 or 2 threads
+    together = ops.rms_norm(many, w, 1e-5)
+    for i in (0, 5):
+        assert torch.equal(ops.rms_norm(many[i : i + 1], w, 1e-5)[0], together[i])
+    big = torch.randn(4096, 64, generator=g).bfloat16()  # threaded
+    assert torch.equal(ops.rms_norm(big, w, 1e-5)[7], ops.rms_norm(big[7:8], w, 1e-5)[0])
+    cos, sin = torch.rand(many.shape[0], 16), torch.rand(many.shape[0], 16)
+    assert torch.equal(
+        ops.apply_rope(many[:, :32], cos, sin, True), apply_rope(many[:, :32], cos, sin, True)
+    )
     half = torch.randn(2, 64, generator=g).half()  # no fp16 path: the reference
     assert torch.equal(ops.rms_norm(half, w.half(), 1e-5), rms_norm(half, w.half(), 1e-5))
     qn, qr, w, kv, slots, valid, nope = _decode_case(torch.bfloat16)
@@ -152,7 +162,7 @@ def test_the_backend_routes_what_the_kernels_do_not_take_to_the_references():
     ref = attention.absorbed_gathered(qn, qr, w, kv.float(), slots, valid, nope, 0.1, 1 << 29)
     assert mixed.shape == ref.shape  # the torch form took it (mixed dtypes)
     with pytest.raises(RuntimeError, match="no fallback"):
-        norm_rope.rms_norm(many, w[:64], 1e-5)
+        norm_rope.rms_norm(half, w.half(), 1e-5)
     # more tokens than the experts kernel takes: the loop
     x = torch.randn(bf16_gemv.ROWS + 1, 64, generator=g).bfloat16()
     w13, w2 = torch.randn(4, 32, 64).bfloat16(), torch.randn(4, 64, 16).bfloat16()
