@@ -1,7 +1,8 @@
 """A chat as the model was trained to read it: the checkpoint's chat template (jinja2, sandboxed
 and with the whitespace settings and `tojson` filter transformers renders it with), or, for a
 checkpoint without one (the embedded model's byte tokenizer), role tags and an open assistant turn
-(`simple_chat`, which writes tools and tool calls the way GLM's templates do).
+(`simple_chat` in dist_glm5/checkpoint/byte_chat.py, which writes tools and tool calls the way
+GLM's templates do; the default model's trainer renders its chats with it too).
 
 Messages reach a template as OpenAI's dicts, with one change made as vLLM makes it: a tool call's
 `arguments` (a JSON string in the API) is given as the object it encodes, since GLM's templates
@@ -13,6 +14,8 @@ from __future__ import annotations
 import json
 from functools import cached_property
 from pathlib import Path
+
+from dist_glm5.checkpoint.byte_chat import simple_chat
 
 
 class ChatTemplate:
@@ -66,39 +69,6 @@ def _for_template(m: dict) -> dict:
             pass  # not JSON: the template gets the text
         calls.append({**c, "function": f, **f})  # GLM's templates read tc.name / tc.arguments
     return {**m, "tool_calls": calls}
-
-
-def simple_chat(
-    messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True
-) -> str:
-    """Role tags; tools in a system turn as GLM lists them, earlier tool calls in GLM's format,
-    tool results as observations."""
-    out = []
-    if tools:
-        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        out.append(
-            f"<|system|>\n# Tools\n<tools>\n{listed}\n</tools>\nCall as "
-            "<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>\n"
-        )
-    for m in messages:
-        if m["role"] == "tool":
-            out.append(f"<|observation|>\n<tool_response>\n{m['content']}\n</tool_response>\n")
-            continue
-        calls = "".join(_glm_call(c) for c in m.get("tool_calls") or ())
-        out.append(f"<|{m['role']}|>\n{m['content'] or ''}{calls}\n")
-    return "".join(out) + ("<|assistant|>\n" if add_generation_prompt else "")
-
-
-def _glm_call(c: dict) -> str:
-    args = c["arguments"]
-    if not isinstance(args, dict):
-        return f"<tool_call>{c['name']}{args}</tool_call>"
-    pairs = "".join(
-        f"<arg_key>{k}</arg_key><arg_value>"
-        f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</arg_value>"
-        for k, v in args.items()
-    )
-    return f"<tool_call>{c['name']}{pairs}</tool_call>"
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
