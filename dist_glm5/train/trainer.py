@@ -145,25 +145,26 @@ class Phase:
 LONG_SEQ = 2048
 PHASES = [
     Phase(900, 512, 4, False, "drill", long_every=8),  # copying first: supervised heads form
-    Phase(1800, 512, 4, False, "base", long_every=8),
+    Phase(2700, 512, 4, False, "base", long_every=8),  # the chats learned here, with the code
     # sparse selection on; the keys the supervised heads read are forced into their rows'
     # selection (forced_keys) so the model learns to copy at these lengths while the indexers
     # learn to find those keys
-    Phase(1950, 1024, 2, True, "long"),
-    Phase(2030, 2048, 1, True, "long"),
-    Phase(2050, 4096, 1, True, "long"),  # a few steps beyond 2K: needles are asked at 3K+
+    Phase(2850, 1024, 2, True, "long"),
+    Phase(2930, 2048, 1, True, "long"),
+    Phase(2950, 4096, 1, True, "long"),  # a few steps beyond 2K: needles are asked at 3K+
     # the indexers alone on the final model (DeepSeek-V3.2's warm-up also trains only the
     # indexer): trained jointly, they trail features that move under them and lose the key
-    Phase(2110, 2048, 2, True, "long", "indexers"),
+    Phase(3010, 2048, 2, True, "long", "indexers"),
 ]
 INDEXER_LR = 3e-3  # the indexers' constant rate in the "indexers" phase (and layer 2's always)
 
 # data mixes: fractions of needle documents, copy documents (spans of code repeated), repeat
-# documents (random strings repeated: only copying predicts them); the rest plain code
+# documents (random strings repeated: only copying predicts them), chat documents (chats with
+# tool calls, JSON replies and JSON documents: chat_corpus.py); the rest plain code
 MIXES = {
-    "drill": {"needle": 0.3, "copy": 0.1, "repeat": 0.4},
-    "base": {"needle": 0.3, "copy": 0.2, "repeat": 0.15},
-    "long": {"needle": 0.4, "copy": 0.15, "repeat": 0.15},
+    "drill": {"needle": 0.3, "copy": 0.1, "repeat": 0.35, "chat": 0.1},
+    "base": {"needle": 0.25, "copy": 0.15, "repeat": 0.1, "chat": 0.25},
+    "long": {"needle": 0.4, "copy": 0.15, "repeat": 0.1, "chat": 0.1},
 }
 
 
@@ -378,7 +379,9 @@ class Trainer:
             keys = torch.arange(S - k).view(1, -1, 1).expand(B, -1, 1)
             offset = offset - torch.log(w[:, h, k:].gather(-1, keys).clamp_min(1e-6)).mean()
             lo = self.readout(v[:, k:, h])[..., 256 * h : 256 * (h + 1)]
-            readout = readout + F.cross_entropy(lo.reshape(-1, 256), ids[:, :-k].reshape(-1))
+            byte = ids[:, :-k].reshape(-1)  # <eos> (chat rows) is no byte to name: not counted
+            byte = byte.masked_fill(byte > 255, -100)
+            readout = readout + F.cross_entropy(lo.reshape(-1, 256), byte)
         out = {"offset": offset / len(OFFSETS), "readout": readout / len(OFFSETS)}
         want = induction >= 0
         a = self.heads[INDUCTION_LAYER][:, 0].gather(-1, induction.clamp_min(0)[..., None])
@@ -581,12 +584,13 @@ class Trainer:
 # ---- data --------------------------------------------------------------------------------------
 class Data:
     def __init__(self, seed: int):
-        from . import corpus
+        from . import chat_corpus, corpus
 
-        self.corpus = corpus
+        self.corpus, self.chat = corpus, chat_corpus
         files = corpus.load_split("train")
         self.text = b"\n".join(b for _, b in files)
         self.seed = seed
+        self.words = chat_corpus.Words.from_text(self.text)
         log.info("train corpus: %d files, %.1f MB", len(files), len(self.text) / 1e6)
 
     def window(self, rng: random.Random, n: int) -> bytes:
@@ -594,7 +598,7 @@ class Data:
         return self.text[start : start + n]
 
     def row(self, rng: random.Random, n: int, mix: str) -> tuple[list[int], list[int]]:
-        """(bytes, induction target per byte: the key head 0 of INDUCTION_LAYER should read, -1
+        """(token ids, induction target per byte: the key head 0 of INDUCTION_LAYER should read, -1
         where the byte is not inside a repeat)."""
         f, u = MIXES[mix], rng.random()
         src = None
@@ -610,6 +614,9 @@ class Data:
             doc, src = self.corpus.copy_training_doc(rng, text, rng.choice([1, 2, 3]))
         elif u < f["needle"] + f["copy"] + f["repeat"]:
             doc, src = self.corpus.repeat_training_doc(rng, self.window(rng, n), n)
+        elif u < f["needle"] + f["copy"] + f["repeat"] + f["chat"]:
+            ids, src = self.chat.chat_row(rng, self.words, n, self.text)  # ids: <eos> in them
+            return ids, induction_targets(ids, src)
         else:
             doc = self.window(rng, n)
         doc = (doc + b"\n" * n)[:n]
