@@ -18,6 +18,7 @@ def register(p: argparse.ArgumentParser) -> None:
         link_faults,
         long_job,
         longctx,
+        model_gates,
         netns,
         peers,
         pipeline,
@@ -98,7 +99,13 @@ def register(p: argparse.ArgumentParser) -> None:
     )
     train_default.register(
         sub.add_parser(
-            "train-default", help="train the shipped default model (resumable; ~85 min, 1 thread)"
+            "train-default", help="train the shipped default model (resumable; ~2 h, 1 thread)"
+        )
+    )
+    model_gates.register(
+        sub.add_parser(
+            "model-gates",
+            help="the default model as a newcomer sees it: code, tool calls, JSON, needles, MTP",
         )
     )
     quality.register(

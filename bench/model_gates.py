@@ -1,0 +1,339 @@
+"""`dist-glm5 bench model-gates`: the default model (or --model) against what a newcomer sees, each
+figure beside its gate, through the product's own doors:
+- code: greedy continuation of a short Python snippet (`/v1/completions`): the text, whether its
+  lines read as Python (indentation, then a name, keyword, string, comment or bracket) and the
+  longest run of spaces that is not indentation;
+- tools: 21 chat requests through the openai client against `launch single-node`, named and
+  required tool_choice, functions taking free strings and integers: finish_reason "tool_calls";
+- json_object: 10 requests, the reply parses as an object; json_schema: 10 schemas of free
+  strings (and one integer), the reply validates (`jsonschema`);
+- needles (held-out keys and values in held-out code, through two stages on the sparse path,
+  answers equal to the dense reference path's) and MTP acceptance and speed-up:
+  bench/quality.py's, rerun here.
+
+Budget: a byte tokenizer spends a token on every byte the grammar forces (a one-argument call
+is 65 bytes of tags), so each request gets the bytes its skeleton forces (the tags, names and keys
+of a call, the keys and punctuation of a schema's object) plus 64 tokens of the model's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+FREE_TOKENS = 64
+SNIPPET = '''import os
+
+
+def list_files(root):
+    """Return the path of every file under root."""
+    result = []
+    for dirpath, dirnames, filenames in os.walk(root):
+'''
+GATES = {
+    "tools": 19 / 21,
+    "json_object": 9 / 10,
+    "json_schema": 9 / 10,
+    "needles": 5 / 6,
+    "mtp_acceptance": 0.75,
+}
+
+
+def register(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (default: the shipped one)")
+    p.add_argument("--only", nargs="*", default=["code", "api", "needles", "mtp"])
+    p.add_argument("--needle-lengths", type=int, nargs="*", default=[4096, 16384, 65536])
+    p.add_argument("--gate-lengths", type=int, nargs="*", default=[4096, 16384])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--output", default=None, help="also write the JSON here")
+    p.set_defaults(func=run)
+
+
+# ---- the requests ------------------------------------------------------------------------------
+def _fn(fname: str, **props: str) -> dict:
+    return {
+        "type": "function",
+        "function": {
+            "name": fname,
+            "parameters": {
+                "type": "object",
+                "properties": {k: {"type": t} for k, t in props.items()},
+                "required": list(props),
+            },
+        },
+    }
+
+
+TOOL_CASES = [  # (tools, the one to call, the user's message)
+    ([_fn("get_weather", city="string")], "get_weather", "What is the weather in Oslo?"),
+    ([_fn("add_items", count="integer")], "add_items", "Add 3 items to my list."),
+    ([_fn("send_message", to="string", text="string")], "send_message", "Tell Ada hello."),
+    ([_fn("set_limit", limit="integer", unit="string")], "set_limit", "Limit it to 20 per day."),
+    (
+        [_fn("find_user", name="string"), _fn("add_items", count="integer")],
+        "find_user",
+        "Who is Tim?",
+    ),
+    ([_fn("resize", width="integer", height="integer")], "resize", "Make it 640 by 480."),
+    ([_fn("open_file", path="string")], "open_file", "Open the config file."),
+]
+JSON_PROMPTS = [
+    "Give me a JSON object describing a cat.",
+    "Return the settings as JSON.",
+    "A JSON object with a name and an age, please.",
+    "Describe Paris in JSON.",
+    "List two colors in JSON.",
+    "Reply in JSON.",
+    "What is 2 + 2? Answer in JSON.",
+    "A user record as JSON.",
+    "Make a JSON config for a server.",
+    "Summarise this in JSON: the sky is blue.",
+]
+SCHEMAS = [
+    {"name": "string", "city": "string"},
+    {"title": "string"},
+    {"user": "string", "email": "string"},
+    {"path": "string", "mode": "string"},
+    {"word": "string", "count": "integer"},
+    {"first": "string", "last": "string"},
+    {"color": "string"},
+    {"key": "string", "value": "string"},
+    {"host": "string", "port": "integer"},
+    {"language": "string", "file": "string"},
+]
+
+
+def tool_requests() -> list[dict]:
+    """21 requests: each case named, required, and named again with the function listed second."""
+    from dist_glm5.checkpoint.byte_chat import glm_call
+
+    out = []
+    for tools, name, msg in TOOL_CASES:
+        fn = next(t["function"] for t in tools if t["function"]["name"] == name)
+        skeleton = glm_call(
+            {"name": name, "arguments": dict.fromkeys(fn["parameters"]["required"], "")}
+        )
+        named = {"type": "function", "function": {"name": name}}
+        for choice, listed in ((named, tools), ("required", [tools[0]]), (named, tools[::-1])):
+            if choice == "required" and tools[0]["function"]["name"] != name:
+                listed = [t for t in tools if t["function"]["name"] == name]
+            out.append(
+                dict(
+                    messages=[{"role": "user", "content": msg}],
+                    tools=listed,
+                    tool_choice=choice,
+                    max_tokens=len(skeleton) + FREE_TOKENS,
+                    temperature=0,
+                )
+            )
+    return out
+
+
+def schema_of(props: dict) -> dict:
+    return {
+        "type": "object",
+        "properties": {k: {"type": t} for k, t in props.items()},
+        "required": list(props),
+        "additionalProperties": False,
+    }
+
+
+# ---- checks ------------------------------------------------------------------------------------
+_PY_LINE = re.compile(r"^\s*([A-Za-z_#@\"'(\[\])}]|$)")
+
+
+def code_check(text: str) -> dict:
+    """Do the lines read as Python, and how long is the longest run of spaces past indentation."""
+    lines = text.split("\n")
+    pythonic = sum(bool(_PY_LINE.match(line)) for line in lines)
+    inner = [m.group(0) for line in lines for m in re.finditer(r" {2,}", line.lstrip(" "))]
+    longest = max((len(s) for s in inner), default=0)
+    words = re.findall(r"[A-Za-z_][A-Za-z0-9_]{2,}", text)
+    return {
+        "lines": len(lines),
+        "python_lines": pythonic,
+        "longest_inner_spaces": longest,
+        "names": len(words),
+        "pass": pythonic == len(lines) and longest < 4 and len(words) >= 5,
+    }
+
+
+# ---- the server --------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str | None, threads: int) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "dist_glm5.launch.cli",
+        "launch",
+        "single-node",
+        "--port",
+        str(port),
+    ]
+    cmd += ["--threads", str(threads)] + (["--model", model] if model else [])
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            urllib.request.urlopen(url + "/models", timeout=5)
+            return proc, url
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    raise RuntimeError("the server did not answer /v1/models within 600 s")
+
+
+def api_gates(url: str) -> dict:
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    out: dict = {}
+
+    def tool(req):
+        r = client.chat.completions.create(model=model, **req)
+        c = r.choices[0]
+        calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+        return {"finish": c.finish_reason, "calls": calls, "content": c.message.content}
+
+    def json_obj(prompt):
+        r = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            response_format={"type": "json_object"},
+            max_tokens=FREE_TOKENS + 2,
+            temperature=0,
+        )
+        text = r.choices[0].message.content
+        try:
+            ok = isinstance(json.loads(text), dict)
+        except ValueError:
+            ok = False
+        return {"text": text, "finish": r.choices[0].finish_reason, "ok": ok}
+
+    def json_schema(props):
+        schema = schema_of(props)
+        skeleton = json.dumps(dict.fromkeys(props, ""), separators=(",", ":"))
+        r = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Fill in: " + ", ".join(props)}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "gate", "schema": schema},
+            },
+            max_tokens=len(skeleton) + FREE_TOKENS,
+            temperature=0,
+        )
+        text = r.choices[0].message.content
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            ok = True
+        except (ValueError, jsonschema.ValidationError):
+            ok = False
+        return {"text": text, "finish": r.choices[0].finish_reason, "ok": ok}
+
+    with ThreadPoolExecutor(8) as pool:
+        tools = list(pool.map(tool, tool_requests()))
+        objs = list(pool.map(json_obj, JSON_PROMPTS))
+        schemas = list(pool.map(json_schema, SCHEMAS))
+    closed = sum(t["finish"] == "tool_calls" for t in tools)
+    out["tools"] = {"closed": closed, "of": len(tools), "replies": tools}
+    out["json_object"] = {"parsed": sum(o["ok"] for o in objs), "of": len(objs), "replies": objs}
+    out["json_schema"] = {
+        "validated": sum(o["ok"] for o in schemas),
+        "of": len(schemas),
+        "replies": schemas,
+    }
+    r = client.completions.create(model=model, prompt=SNIPPET, max_tokens=96, temperature=0)
+    text = r.choices[0].text
+    out["code"] = {"prompt": SNIPPET, "text": text, **code_check(text)}
+    return out
+
+
+# ---- the run -----------------------------------------------------------------------------------
+def verdicts(res: dict) -> dict:
+    v = {}
+    if "api" in res:
+        a = res["api"]
+        v["code"] = a["code"]["pass"]
+        v["tools"] = a["tools"]["closed"] / a["tools"]["of"] >= GATES["tools"]
+        v["json_object"] = a["json_object"]["parsed"] / 10 >= GATES["json_object"]
+        v["json_schema"] = a["json_schema"]["validated"] / 10 >= GATES["json_schema"]
+    if "needles" in res:
+        n, found, equal = res["needles"], 0, True
+        for length in res["gate_lengths"]:
+            sparse = n[f"{length}_code_sparse_2stages"]
+            found += sparse["found"]
+            ref = n.get(f"{length}_code_reference")
+            equal &= ref is not None and ref["got"] == sparse["got"]
+        v["needles"] = found / (3 * len(res["gate_lengths"])) >= GATES["needles"] and equal
+    if "mtp" in res:
+        m = res["mtp"]
+        v["mtp"] = (
+            m["greedy_mtp"]["acceptance"] >= GATES["mtp_acceptance"] and m["greedy_speedup"] > 1
+        )
+    return v
+
+
+def run(args) -> int:
+    import torch
+
+    from dist_glm5.checkpoint.default_model import ensure_default_model
+
+    from . import quality
+
+    logging.basicConfig(level=logging.INFO)
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model) if args.model else ensure_default_model()
+    res: dict = {"model": str(model_dir), "gate_lengths": args.gate_lengths, "gates": GATES}
+    if "code" in args.only or "api" in args.only:
+        proc, url = start_server(str(model_dir), args.threads)
+        try:
+            res["api"] = api_gates(url)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        log.info("code: %r", res["api"]["code"]["text"])
+    if "mtp" in args.only:
+        res["mtp"] = quality.mtp_figures(model_dir, quality.heldout_texts(), 32)
+    if "needles" in args.only:
+        import ray
+
+        from dist_glm5.stages.ray_pipeline import local_cluster
+
+        cluster = local_cluster(2, cpus_per_node=2)
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+        try:
+            res["needles"] = quality.needles(
+                model_dir, args.needle_lengths, 2, max(args.gate_lengths)
+            )
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    res["pass"] = verdicts(res)
+    text = json.dumps(res, indent=1)
+    print(text)
+    print(json.dumps(res["pass"]))
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    return 0
