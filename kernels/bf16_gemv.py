@@ -54,11 +54,16 @@ def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] bf16 (at most ROWS rows), w [N, K] bf16 contiguous, b [N] -> [..., N] bf16."""
+def linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fallback=None
+) -> torch.Tensor:
+    """x [..., K] bf16 (at most ROWS rows), w [N, K] bf16 contiguous, b [N] -> [..., N] bf16;
+    `fallback(x, w, b)` takes every other product (without one they are an error)."""
     lib = _library()
     if lib is None or not fits(x, w) or (b is not None and b.dtype != torch.bfloat16):
-        raise RuntimeError("bf16_gemv: unavailable, or not a few-row bf16 product")
+        if fallback is None:
+            raise RuntimeError("bf16_gemv: unavailable, or not a few-row bf16 product")
+        return fallback(x, w, b)
     K, N = w.shape[1], w.shape[0]
     if x.shape[-1] != K:
         raise ValueError(f"bf16_gemv: x has {x.shape[-1]} inputs, w takes {K}")

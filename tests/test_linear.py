@@ -7,6 +7,7 @@ GEMM, and the default model's greedy tokens unchanged by it; the few-row bf16 ke
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -59,8 +60,8 @@ def test_the_cpu_backend_widens_exactly_where_the_cpu_has_no_bf16_gemm():
     ops = get_backend("cpu").ops()
     native = L.native_bf16_gemm()
     assert bf16_gemv.available()  # gcc is on every machine we test on
-    assert ops.linear.kernel is bf16_gemv.linear  # a few rows: the C kernel
-    assert (ops.linear.rest is L.linear_fp32_gemm) == (not native)
+    assert ops.linear.func is bf16_gemv.linear  # a few rows: the C kernel
+    assert (ops.linear.keywords["fallback"] is L.linear_fp32_gemm) == (not native)
     assert (ops.einsum is L.einsum_fp32_gemm) == (not native)
 
 
@@ -93,14 +94,14 @@ def test_few_row_kernel_is_the_exact_sum_rounded_once():
     assert got.shape == (2, 1, 6) and got[..., 2].isnan().all() and not got[..., :2].isnan().any()
 
 
-def test_few_rows_first_routes_by_rows_dtype_and_layout():
+def test_the_kernel_takes_few_rows_and_falls_back_on_the_rest():
     ops = get_backend("cpu").ops()
     g = torch.Generator().manual_seed(4)
     w = torch.randn(24, 32, generator=g).bfloat16()
     few = torch.randn(2, 32, generator=g).bfloat16()
     many = torch.randn(bf16_gemv.ROWS + 1, 32, generator=g).bfloat16()
     assert torch.equal(ops.linear(few, w), bf16_gemv.linear(few, w))
-    assert torch.equal(ops.linear(many, w), ops.linear.rest(many, w))
+    assert torch.equal(ops.linear(many, w), ops.linear.keywords["fallback"](many, w))
     assert not bf16_gemv.fits(few, w.T.contiguous().T)  # a transposed view: torch's path
     assert not bf16_gemv.fits(few.float(), w.float())
     with pytest.raises(RuntimeError, match="few-row bf16"):
@@ -122,7 +123,7 @@ def test_the_shipped_model_gives_the_same_tokens_and_no_larger_error():
     wide = dataclasses.replace(ops, linear=L.linear_fp32_gemm, einsum=L.einsum_fp32_gemm)
     plain = dataclasses.replace(ops, linear=L.linear, einsum=L.einsum)
     gemv = dataclasses.replace(
-        wide, linear=L.few_rows_first(bf16_gemv.linear, bf16_gemv.fits, L.linear_fp32_gemm)
+        wide, linear=functools.partial(bf16_gemv.linear, fallback=L.linear_fp32_gemm)
     )
     text = [list(b"import os\n\ndef walk(root):\n    result = []\n    for d, _, fs in os.walk(")]
     P = SamplingParams(max_tokens=24, ignore_eos=True)

@@ -24,7 +24,7 @@ def cpu_ops():
     prod = linear.linear_fp32_gemm if wide else ref.linear
     gemv = bf16_gemv.available()  # a decode step's few bf16 rows in C (ops/linear.py)
     if gemv:
-        prod = linear.few_rows_first(bf16_gemv.linear, bf16_gemv.fits, prod)
+        prod = functools.partial(bf16_gemv.linear, fallback=prod)
     experts = cpu_experts_ops(prod) if prod is not ref.linear else cpu_experts_ops()
     if gemv:  # a few tokens' bf16 experts in one C call, not a Python loop over experts
         experts = dataclasses.replace(

@@ -8,14 +8,12 @@ too), multiplies in fp32 and rounds the result back to the activation dtype: the
 to the order of the fp32 additions, no fp32 copy of a weight kept. A single row (a decode GEMV)
 stays in bf16 (torch's bf16 GEMV reads half fp32's bytes, though at about 8 GB/s per core here).
 
-A decode step's few rows go to a C kernel when the backend has one (`few_rows_first`,
-kernels/bf16_gemv.c): it reads the bf16 weight once at memory speed, where widening a whole weight
+A decode step's few rows go to a C kernel when the backend has one (kernels/bf16_gemv.c, these
+forms its fallback): it reads the bf16 weight once at memory speed, where widening a whole weight
 to fp32 for a few rows, or torch's bf16 GEMV, cost 2-4x more.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,19 +50,6 @@ def einsum_fp32_gemm(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if not _wide(a, b):
         return torch.einsum(eq, a, b)
     return torch.einsum(eq, a.float(), b.float()).to(a.dtype)
-
-
-def few_rows_first(kernel: Callable, fits: Callable, rest: Callable) -> Callable:
-    """A `linear` that sends the products `fits(x, w)` accepts (and any bias of x's dtype) to
-    `kernel`, and every other to `rest`; all three take (x, w, b)."""
-
-    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        if fits(x, w) and (b is None or b.dtype == x.dtype):
-            return kernel(x, w, b)
-        return rest(x, w, b)
-
-    linear.kernel, linear.rest = kernel, rest  # what the backend chose, for its name and tests
-    return linear
 
 
 def native_bf16_gemm() -> bool:
