@@ -16,34 +16,17 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "common.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-#if defined(__x86_64__)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
-#endif
 
-/* v8 helpers are always inlined into each clone: no call ever passes a vector across an ABI */
-#pragma GCC diagnostic ignored "-Wpsabi"
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
 typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
 
-static inline float bf16_to_f32(uint16_t b) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)b << 16;
-    return v.f;
-}
 
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, NaN stays NaN */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 static inline __attribute__((always_inline)) v8 widen(const uint16_t *p) {  /* 8 bf16 -> 8 fp32 */
     v8h h;
@@ -54,7 +37,6 @@ static inline __attribute__((always_inline)) v8 widen(const uint16_t *p) {  /* 8
     return f;
 }
 
-#define HSUM(a) ((((a)[0] + (a)[4]) + ((a)[1] + (a)[5])) + (((a)[2] + (a)[6]) + ((a)[3] + (a)[7])))
 
 #define WT 4 /* weight rows per tile, at most */
 #define MT 4 /* x rows per tile, at most */

@@ -5,8 +5,9 @@ file with `gcc -O3 -shared` takes about a second and needs nothing but gcc on a 
 
 Contract of `load(source, flags)`:
 - the library is cached in `$DIST_GLM5_HOME/kernels/` (default `~/.cache/dist_glm5/kernels/`),
-  named by a hash of the source text, the compiler and the flags, so an edited source or a
-  changed flag rebuilds and an unchanged one loads in milliseconds;
+  named by a hash of the source text (and the local headers it includes), the compiler and the
+  flags, so an edited source or header or a changed flag rebuilds and an unchanged one loads in
+  milliseconds;
 - it is written under a temporary name and renamed into place, so concurrent processes never
   load a half-written file (the last rename wins; both files are identical);
 - any failure (no compiler, compile error, load error) logs ONE warning and returns None:
@@ -19,6 +20,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -53,9 +55,23 @@ def compiler() -> str | None:
     return None
 
 
+def local_includes(source: Path) -> list[Path]:
+    """The headers beside `source` that it includes (`#include "name.h"`), and theirs."""
+    out: list[Path] = []
+    todo = [source]
+    while todo:
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', todo.pop().read_text(), re.M):
+            path = source.parent / name
+            if path not in out:
+                out.append(path)
+                todo.append(path)
+    return out
+
+
 def library_path(source: Path, flags: tuple[str, ...], cc: str) -> Path:
     h = hashlib.sha256()
-    h.update(source.read_bytes())
+    for f in [source, *local_includes(source)]:  # an edited header rebuilds its kernels
+        h.update(f.read_bytes())
     h.update(("\0".join((cc,) + flags)).encode())
     return cache_dir() / f"{source.stem}-{h.hexdigest()[:16]}.so"
 

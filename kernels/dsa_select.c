@@ -22,26 +22,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "common.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-#if defined(__x86_64__)
-/* x86-64-v3 = AVX2 + FMA (plain "avx2" would leave the products and sums unfused) */
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
-#endif
 
-static inline float bf16_to_f32(uint16_t b) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)b << 16;
-    return v.f;
-}
 
-/* 8 fp32 lanes as a GCC vector: each target clone compiles it to its own ISA (one ymm on AVX2
- * and AVX-512, two xmm on the baseline), and the tile's accumulators stay in registers. */
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
+/* v8 (common.h): the tile's accumulators stay in registers */
 
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
 

@@ -16,39 +16,22 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "common.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-#if defined(__x86_64__)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
-#endif
 
-#pragma GCC diagnostic ignored "-Wpsabi" /* v8 never crosses a call: always inlined */
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-#define HSUM(a) ((((a)[0] + (a)[4]) + ((a)[1] + (a)[5])) + (((a)[2] + (a)[6]) + ((a)[3] + (a)[7])))
 
-static inline float bf(uint16_t b) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)b << 16;
-    return v.f;
-}
 
-static inline uint16_t to_bf(float f) { /* round to nearest even, NaN stays NaN */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 /* element e of a bf16 (is_bf16) or fp32 array, as fp32 */
 static inline float at(const void *p, int64_t e, int is_bf16) {
-    return is_bf16 ? bf(((const uint16_t *)p)[e]) : ((const float *)p)[e];
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[e]) : ((const float *)p)[e];
 }
 
-static inline float round_to(float f, int is_bf16) { return is_bf16 ? bf(to_bf(f)) : f; }
+static inline float round_to(float f, int is_bf16) { return is_bf16 ? bf16_to_f32(f32_to_bf16(f)) : f; }
 
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int n) {
     v8 acc0 = {0}, acc1 = {0};
@@ -128,7 +111,7 @@ static inline __attribute__((always_inline)) void one(
             float y = dot(oj, row, c);
             int64_t o = ((int64_t)i * h + j) * v + vv;
             if (is_bf16)
-                ((uint16_t *)out)[o] = to_bf(y);
+                ((uint16_t *)out)[o] = f32_to_bf16(y);
             else
                 ((float *)out)[o] = y;
         }

@@ -14,24 +14,15 @@
 #pragma GCC optimize("fp-contract=off")
 #include <math.h>
 #include <stdint.h>
+
+#include "common.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-static inline float bf(uint16_t b) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)b << 16;
-    return v.f;
-}
 
-static inline uint16_t to_bf(float f) { /* round to nearest even, NaN stays NaN */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
-static inline float rb(float f) { return bf(to_bf(f)); } /* f rounded to bf16, as fp32 */
+static inline float rb(float f) { return bf16_to_f32(f32_to_bf16(f)); } /* f rounded to bf16, as fp32 */
 
 /* x rows [R, D] (row stride ld elements, last dim contiguous), weight [D], out [R, D]
  * contiguous; all bf16 (is_bf16) or all fp32. Every row count takes this path (prefill's too, rows
@@ -48,13 +39,13 @@ void rms_norm_rows(const void *x, int64_t ld, int R, int D, int is_bf16, const v
         if (is_bf16) {
             const uint16_t *xr = (const uint16_t *)x + r * ld;
             for (int d = 0; d < D8; d += 8)
-                for (int l = 0; l < 8; l++) acc[l] += bf(xr[d + l]) * bf(xr[d + l]);
+                for (int l = 0; l < 8; l++) acc[l] += bf16_to_f32(xr[d + l]) * bf16_to_f32(xr[d + l]);
             ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-            for (int d = D8; d < D; d++) ss += bf(xr[d]) * bf(xr[d]);
+            for (int d = D8; d < D; d++) ss += bf16_to_f32(xr[d]) * bf16_to_f32(xr[d]);
             float k = 1.0f / sqrtf(ss / D + eps);
             uint16_t *o = (uint16_t *)out + (int64_t)r * D;
             const uint16_t *wb = (const uint16_t *)w;
-            for (int d = 0; d < D; d++) o[d] = to_bf(bf(wb[d]) * rb(bf(xr[d]) * k));
+            for (int d = 0; d < D; d++) o[d] = f32_to_bf16(bf16_to_f32(wb[d]) * rb(bf16_to_f32(xr[d]) * k));
         } else {
             const float *xr = (const float *)x + r * ld;
             for (int d = 0; d < D8; d += 8)
@@ -83,10 +74,10 @@ void rope_rows(const void *x, int64_t st, int64_t sm, int T, int M, int dim, int
                 int i1 = interleave ? 2 * i : i, i2 = interleave ? 2 * i + 1 : i + half;
                 if (is_bf16) {
                     const uint16_t *xr = (const uint16_t *)x + src;
-                    float a = bf(xr[i1]), b = bf(xr[i2]), c = rb(ct[i]), s = rb(sn[i]);
+                    float a = bf16_to_f32(xr[i1]), b = bf16_to_f32(xr[i2]), c = rb(ct[i]), s = rb(sn[i]);
                     uint16_t *o = (uint16_t *)out + dst;
-                    o[i] = to_bf(rb(a * c) - rb(b * s));
-                    o[i + half] = to_bf(rb(b * c) + rb(a * s));
+                    o[i] = f32_to_bf16(rb(a * c) - rb(b * s));
+                    o[i + half] = f32_to_bf16(rb(b * c) + rb(a * s));
                 } else {
                     const float *xr = (const float *)x + src;
                     float a = xr[i1], b = xr[i2], c = ct[i], s = sn[i];

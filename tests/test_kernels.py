@@ -8,6 +8,7 @@ failure FAILS these tests instead of skipping them.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import subprocess
@@ -233,6 +234,22 @@ def test_library_is_cached_by_hash(kernel, tmp_path):
     assert path.exists() and path.parent == build.cache_dir()
     mtime = path.stat().st_mtime_ns
     assert build.build(K.SOURCE) == path and path.stat().st_mtime_ns == mtime  # not rebuilt
+
+
+def test_an_edited_header_rebuilds_the_kernels_that_include_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIST_GLM5_HOME", str(tmp_path))
+    (tmp_path / "k.h").write_text("#define V 1\n")
+    src = tmp_path / "k.c"
+    src.write_text('#include "k.h"\nint v(void) { return V; }\n')
+    lib = build.load(src)
+    lib.v.restype = ctypes.c_int
+    first = build.library_path(src, build.DEFAULT_FLAGS, build.compiler())
+    assert lib.v() == 1 and build.local_includes(src) == [tmp_path / "k.h"]
+    (tmp_path / "k.h").write_text("#define V 2\n")
+    again = build.load(src)
+    again.v.restype = ctypes.c_int
+    assert build.library_path(src, build.DEFAULT_FLAGS, build.compiler()) != first
+    assert again.v() == 2
 
 
 def test_build_failure_warns_once_and_returns_none(tmp_path, monkeypatch, caplog):
