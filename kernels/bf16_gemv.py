@@ -33,13 +33,7 @@ def _signatures(lib: ctypes.CDLL) -> None:
 
 _kernel = Lazy(SOURCE, _signatures)
 
-
-def _library() -> ctypes.CDLL | None:
-    return _kernel.get()
-
-
-def available() -> bool:
-    return _library() is not None
+available = _kernel.available
 
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -59,7 +53,7 @@ def linear(
 ) -> torch.Tensor:
     """x [..., K] bf16 (at most ROWS rows), w [N, K] bf16 contiguous, b [N] -> [..., N] bf16;
     `fallback(x, w, b)` takes every other product (without one they are an error)."""
-    lib = _library()
+    lib = _kernel.get()
     if lib is None or not fits(x, w) or (b is not None and b.dtype != torch.bfloat16):
         if fallback is None:
             raise RuntimeError("bf16_gemv: unavailable, or not a few-row bf16 product")
@@ -89,7 +83,7 @@ def experts(x, topk_ids, topk_weights, w13, w2, experts_min, experts_max, fallba
     """ops/experts.experts_dense's contract: x [T, H], topk_ids [T, k] global ids, topk_weights
     [T, k], w13 [E, 2I, H], w2 [E, H, I] -> [T, H], this rank's experts only. Takes bf16 x and
     weights (contiguous) of at most ROWS tokens; `fallback` takes the rest."""
-    lib = _library()
+    lib = _kernel.get()
     T, H = x.shape
     ok = (
         lib is not None

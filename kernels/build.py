@@ -157,11 +157,17 @@ class Lazy:
         with self._lock:
             if not self._loaded:
                 try:
-                    if not disabled():
+                    if disabled():
+                        log.info("DIST_GLM5_KERNELS=0: %s off, references run", self.source.name)
+                    else:
                         lib = load(self.source, *self.flag_sets)
                         if lib is not None:
                             self.signatures(lib)
                             self._lib = lib
                 finally:
-                    self._loaded = True
+                    self._loaded = True  # last: a thread that sees it set also sees _lib
         return self._lib
+
+    def available(self) -> bool:
+        """Whether the library built and loaded (building it at the first call)."""
+        return self.get() is not None

@@ -34,13 +34,7 @@ def _signatures(lib: ctypes.CDLL) -> None:
 
 _kernel = Lazy(SOURCE, _signatures)
 
-
-def _library() -> ctypes.CDLL | None:
-    return _kernel.get()
-
-
-def available() -> bool:
-    return _library() is not None
+available = _kernel.available
 
 
 def _scores(n: int, L: int) -> torch.Tensor:
@@ -62,7 +56,7 @@ def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int, keep=Non
     sequence, q_pos [n] -> (keep [n, L], slots [n, k], valid [n, k]), k = min(topk, L).
     keep: an all-False [n, L] bool block to fill (a row block of the caller's mask), else a new
     one; mask=False: no mask at all (keep is None), for callers that attend by the slots."""
-    lib = _library()
+    lib = _kernel.get()
     n, H, D = q.shape
     L = len(keys)
     k = min(topk, L)

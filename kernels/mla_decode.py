@@ -25,13 +25,7 @@ def _signatures(lib: ctypes.CDLL) -> None:
 
 _kernel = Lazy(SOURCE, _signatures)
 
-
-def _library() -> ctypes.CDLL | None:
-    return _kernel.get()
-
-
-def available() -> bool:
-    return _library() is not None
+available = _kernel.available
 
 
 def absorbed_gathered(
@@ -40,7 +34,7 @@ def absorbed_gathered(
     """q_nope [n, h, nope], q_rot [n, h, r], w_kv_b [h * (nope + v), c], kv_store [S, c + r],
     sel_slots/sel_valid [n, k] -> [n, h, v] in q_nope's dtype. cap: unused (nothing is
     gathered); `fallback` takes what the kernel does not."""
-    lib = _library()
+    lib = _kernel.get()
     dt = q_nope.dtype
     n, h = q_nope.shape[0], q_nope.shape[1]
     r = q_rot.shape[-1]

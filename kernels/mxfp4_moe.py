@@ -27,8 +27,6 @@ DIST_GLM5_KERNELS=0) passes it in (`fallback=`).
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 from pathlib import Path
 from typing import Callable
 
@@ -36,9 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .build import disabled, load
-
-log = logging.getLogger(__name__)
+from .build import Lazy
 
 SOURCE = Path(__file__).with_name("mxfp4_moe.c")
 ISA_NAMES = ("scalar", "avx2", "avx512")
@@ -50,46 +46,21 @@ ISA_NAMES = ("scalar", "avx2", "avx512")
 # path is ~10x slower than AVX2, so there the GEMM wins from a few tokens.
 GEMM_MIN_ROUTES = {"scalar": 4, "avx2": 24, "avx512": 64}
 
-_lib: ctypes.CDLL | None = None
-_loaded = False
 _isa = "scalar"  # the kernel's code path in use
-_lock = threading.Lock()
 
 
-def _library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first call; None when disabled (DIST_GLM5_KERNELS=0, read
-    at that first call) or unavailable."""
-    if _loaded:
-        return _lib
-    with _lock:
-        if not _loaded:
-            _load()
-    return _lib
+def _signatures(lib: ctypes.CDLL) -> None:
+    global _isa
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.mx_set_isa.argtypes, lib.mx_set_isa.restype = [i], i
+    lib.mx_decode.argtypes, lib.mx_decode.restype = [p, p, i64, i, p, i], None
+    lib.mx_moe_forward.argtypes = [p, i, i, i, i, i, p, p, i, i, p, p, p, p, p, i, i, p]
+    lib.mx_moe_forward.restype = i
+    _isa = ISA_NAMES[lib.mx_set_isa(-1)]
 
 
-def _load() -> None:
-    global _lib, _loaded, _isa
-    try:
-        if disabled():
-            log.info("DIST_GLM5_KERNELS=0: MXFP4 MoE kernel disabled, using the reference path")
-            return
-        lib = load(SOURCE)
-        if lib is None:
-            return
-        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        lib.mx_set_isa.argtypes, lib.mx_set_isa.restype = [i], i
-        lib.mx_decode.argtypes, lib.mx_decode.restype = [p, p, i64, i, p, i], None
-        lib.mx_moe_forward.argtypes = [p, i, i, i, i, i, p, p, i, i, p, p, p, p, p, i, i, p]
-        lib.mx_moe_forward.restype = i
-        _isa = ISA_NAMES[lib.mx_set_isa(-1)]
-        _lib = lib
-    finally:
-        _loaded = True  # last: a thread that sees it set also sees _lib
-
-
-def available() -> bool:
-    """True when the C kernel is compiled and loaded (builds it on first call)."""
-    return _library() is not None
+_kernel = Lazy(SOURCE, _signatures)
+available = _kernel.available
 
 
 def set_isa(isa: str | None = None) -> str:
@@ -97,7 +68,7 @@ def set_isa(isa: str | None = None) -> str:
     Returns the path in use (a request above what the CPU supports is lowered). For tests and
     benchmarks; not thread safe."""
     global _isa
-    lib = _library()
+    lib = _kernel.get()
     if lib is None:
         raise RuntimeError("the MXFP4 MoE kernel is not available")
     _isa = ISA_NAMES[lib.mx_set_isa(-1 if isa is None else ISA_NAMES.index(isa))]
@@ -178,7 +149,7 @@ def decode(packed: Tensor, scales: Tensor) -> Tensor:
             f"multiple of 32; got {tuple(packed.shape)} {packed.dtype} and "
             f"{tuple(scales.shape)} {scales.dtype}"
         )
-    lib = _library()
+    lib = _kernel.get()
     if lib is None:
         return _decode_reference(packed, scales)
     packed, scales = packed.contiguous(), scales.contiguous()
@@ -255,7 +226,7 @@ def moe_mxfp4(
     fallback: what runs, after the same checks, when the kernel is unavailable (same arguments,
     without gemm_min_routes; e.g. ops/experts.experts_mxfp4_reference). None: that is an error.
     """
-    lib = _library()
+    lib = _kernel.get()
     if lib is None:
         if fallback is None:
             raise RuntimeError(

@@ -32,19 +32,13 @@ def _signatures(lib: ctypes.CDLL) -> None:
 
 _kernel = Lazy(SOURCE, _signatures)
 
-
-def _library() -> ctypes.CDLL | None:
-    return _kernel.get()
-
-
-def available() -> bool:
-    return _library() is not None
+available = _kernel.available
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fallback=None) -> torch.Tensor:
     """x [..., D], weight [D] of x's dtype -> [..., D]; `fallback` (ops/norm.rms_norm) takes
     what the kernel does not."""
-    lib = _library()
+    lib = _kernel.get()
     D = x.shape[-1]
     rows = x.numel() // max(1, D)
     ok = (
@@ -72,7 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fallback=None) -
 def apply_rope(x, cos, sin, interleave: bool, fallback=None) -> torch.Tensor:
     """x [T, dim] or [T, M, dim] (last dim contiguous), cos/sin [T, dim/2] fp32 -> x's shape,
     contiguous; `fallback` (ops/rope.apply_rope) takes what the kernel does not."""
-    lib = _library()
+    lib = _kernel.get()
     T = x.shape[0]
     ok = (
         lib is not None
