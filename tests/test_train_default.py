@@ -114,3 +114,25 @@ def test_indexers_phase_trains_only_the_indexers():
     assert all(p.grad is not None for n, p in named if id(p) in ix), "an indexer got no gradient"
     tr.freeze_model(False)
     assert all(p.requires_grad for _, p in named)
+
+
+def test_the_induction_head_and_half_its_indexer_stay_position_free():
+    """Their queries' rope rows are zero at the start and after an optimiser step that moves
+    every other row: their scores do not depend on the distance to a key."""
+    tr = _trainer()
+    att = tr._layer(td.INDUCTION_LAYER).self_attn
+    c, ix = tr.cfg, att.indexer
+    head = c.qk_nope_head_dim + c.qk_rope_head_dim
+    q_rope = att.q_b_proj.weight[c.qk_nope_head_dim : head]
+    ix_rope = ix.wq_b.weight.view(ix.n_heads, ix.head_dim, -1)[
+        : ix.n_heads // 2, : c.qk_rope_head_dim
+    ]
+    before = att.q_b_proj.weight.detach().clone()
+    ids, induction = _ids_and_force()
+    opt = torch.optim.AdamW(tr.param_groups(), lr=1e-2)
+    ls = tr.losses(ids)
+    ls.update(tr.attention_supervision(ids, induction))
+    sum(ls.values()).backward()
+    opt.step()
+    assert not att.q_b_proj.weight[head:].detach().equal(before[head:])  # the others moved
+    assert q_rope.abs().max() == 0 and ix_rope.abs().max() == 0

@@ -119,6 +119,11 @@ SUPERVISION = (
 # OFFSETS[h] back; head 0 of INDUCTION_LAYER reads the byte after the earlier occurrence of the
 # current context. INDUCTION_LAYER has a full indexer (its selection must find that byte).
 OFFSET_LAYER, OFFSETS, INDUCTION_LAYER = 0, (1, 2, 3), 2
+# Position-free copying: head 0 of INDUCTION_LAYER and the first half of its indexer's heads
+# have no rotary query (their q_b_proj / wq_b rows for the rope dims are held at zero),
+# so they match on content alone and score a key 16K back as they score one 100 back. Copying is
+# then not bound to the distances trained (at most 4,096 here; needles are asked at 16K and 64K).
+# The other heads keep their positions (the neighbours OFFSETS back are positional).
 INDUCTION_LR = 4.0  # x the base rate for the induction layer's attention (its slow bilinear start)
 BIAS_RATE = 1e-3
 
@@ -223,6 +228,16 @@ class MTPBlock(torch.nn.Module):
             else:
                 out[k] = f"model.layers.{n}.{k}"
         return out
+
+
+def _hold_zero(p: torch.nn.Parameter, rows) -> None:
+    """Rows of a weight zeroed and kept at zero: a gradient hook zeroes theirs (Adam's moments
+    stay zero, so do its updates; weight decay of zero is zero)."""
+    keep = torch.ones_like(p)
+    keep[list(rows)] = 0
+    with torch.no_grad():
+        p.mul_(keep)
+    p.register_hook(lambda g: g * keep)
 
 
 KL_ROWS = 128
@@ -338,12 +353,27 @@ class Trainer:
         # training-only linear read-outs of the offset heads (not exported): each head's output
         # must name the byte it reads, so the induction head has keys to match
         self.readout = torch.nn.Linear(cfg.v_head_dim, 256 * len(OFFSETS))
+        self._content_only(layers[INDUCTION_LAYER].self_attn)
         self.loads: dict[int, torch.Tensor] = {}
         self.routers = {}
         for i, layer in enumerate(layers):
             if hasattr(layer.mlp, "gate"):
                 self.routers[i] = layer.mlp.gate
                 layer.mlp.gate.register_forward_hook(self._count(i))
+
+    def _content_only(self, att) -> None:
+        """Hold the rope rows of head 0's query and of the first half of the indexer heads'
+        queries at zero (zeroed now, their gradients zeroed at every step)."""
+        c = self.cfg
+        head = c.qk_nope_head_dim + c.qk_rope_head_dim  # a head's q: [nope | rope]
+        _hold_zero(att.q_b_proj.weight, range(c.qk_nope_head_dim, head))
+        ix = att.indexer  # an indexer head's q: [rope | rest]
+        rows = [
+            h * ix.head_dim + j
+            for h in range(ix.n_heads // 2)
+            for j in range(c.qk_rope_head_dim)
+        ]
+        _hold_zero(ix.wq_b.weight, rows)
 
     def _keep_probs(self, i):
         def hook(mod, args, out):
