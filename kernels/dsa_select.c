@@ -249,3 +249,51 @@ int dsa_select(const float *q, const float *w, int n, int H, int D, const void *
     free(bmax);
     return failed ? -2 : 0;
 }
+
+/* dsa_select for the rows of S sequences in one call (a decode step's batch): sequence s owns
+ * rows [row_off[s], row_off[s + 1]) of q, w and q_pos, and its L[s] keys through the block table
+ * at tables + tab_off[s]. Out: slots and valid [rows, topk], each sequence's k = min(topk, L[s])
+ * picks then padding (its first pick's slot, valid 0), so every row has the same width. The
+ * sequences go over threads, each one's selection on one thread (one sequence: all threads).
+ * Returns 0, -1 (index_head_dim > 256) or -2 (out of memory). */
+int dsa_select_many(const float *q, const float *w, int S, const int32_t *row_off, int H, int D,
+                    const void *store, int bf16, const int64_t *tables, const int64_t *tab_off,
+                    int bs, const int64_t *Ls, const int64_t *q_pos, int topk, int64_t *out_slots,
+                    uint8_t *out_valid, int nthreads) {
+    if (D > 256) return -1;
+    int failed = 0;
+#pragma omp parallel for num_threads(S > 1 ? nthreads : 1) schedule(dynamic, 1) reduction(| : failed)
+    for (int s = 0; s < S; s++) {
+        const int r0 = row_off[s], n = row_off[s + 1] - r0;
+        const int64_t L = Ls[s];
+        const int k = topk < L ? topk : (int)L;
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(n * L + 1));
+        int64_t *pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n * k + 1));
+        int32_t *cnt = (int32_t *)malloc(sizeof(int32_t) * (size_t)(n + 1));
+        int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n * k + 1));
+        uint8_t *valid = (uint8_t *)malloc((size_t)(n * k + 1));
+        int rc = -2;
+        if (scores && pos && cnt && slots && valid)
+            rc = dsa_select(q + (int64_t)r0 * H * D, w + (int64_t)r0 * H, n, H, D, store, bf16,
+                            tables + tab_off[s], bs, L, q_pos + r0, k, scores, pos, cnt, slots,
+                            valid, S > 1 ? 1 : nthreads);
+        if (rc == 0)
+            for (int r = 0; r < n; r++) {
+                int64_t *so = out_slots + (int64_t)(r0 + r) * topk;
+                uint8_t *vo = out_valid + (int64_t)(r0 + r) * topk;
+                memcpy(so, slots + (int64_t)r * k, sizeof(int64_t) * k);
+                memcpy(vo, valid + (int64_t)r * k, (size_t)k);
+                for (int j = k; j < topk; j++) {
+                    so[j] = so[0];
+                    vo[j] = 0;
+                }
+            }
+        failed |= rc != 0;
+        free(scores);
+        free(pos);
+        free(cnt);
+        free(slots);
+        free(valid);
+    }
+    return failed ? -2 : 0;
+}

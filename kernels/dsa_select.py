@@ -1,4 +1,5 @@
-"""The DSA indexer scan + exact top-k for query rows of one sequence, in C (kernels/dsa_select.c).
+"""The DSA indexer scan + exact top-k for query rows of one sequence, in C (kernels/dsa_select.c);
+`select_many` for the rows of a decode batch's sequences in one call.
 
 `select_rows(q, w, idx_store, keys, q_pos, topk, head_dim)` -> (keep [n, L] bool, slots [n, k],
 valid [n, k]): the same contract as scoring with `ops/indexer.index_scores` in capped chunks,
@@ -30,6 +31,8 @@ def _signatures(lib: ctypes.CDLL) -> None:
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.dsa_select.argtypes = [p, p, i, i, i, p, i, p, i, i64, p, i, p, p, p, p, p, i]
     lib.dsa_select.restype = i
+    lib.dsa_select_many.argtypes = [p, p, i, p, i, i, p, i, p, p, i, p, p, i, p, p, i]
+    lib.dsa_select_many.restype = i
 
 
 _kernel = Lazy(SOURCE, _signatures)
@@ -99,3 +102,28 @@ def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int, keep=Non
             keep = torch.zeros(n, L, dtype=torch.bool)
         keep.scatter_(1, pos, True)  # padding repeats a kept position
     return keep, slots, valid
+
+
+def select_many(q, w, idx_store, rows, topk: int, head_dim: int):
+    """select_rows for the rows of several sequences in one call: q [R, Hi, D], w [R, Hi], rows
+    (ops/key_slots.RowsKeys: each sequence's rows, positions and keys) -> (slots, valid
+    [R, topk]); a sequence with fewer than topk keys has its picks then padding (the first pick's
+    slot, not valid), as select_rows' slots padded to topk."""
+    lib = _kernel.get()
+    R, H, D = q.shape
+    if lib is None or idx_store.dtype not in (torch.bfloat16, torch.float32):
+        raise RuntimeError("dsa_select kernel unavailable: use the torch path")
+    qf = q.float().contiguous()
+    wf = (w.float() * head_dim**-0.5).contiguous()
+    store = idx_store if idx_store.is_contiguous() else idx_store.contiguous()
+    slots = torch.empty(R, topk, dtype=torch.int64)
+    valid = torch.empty(R, topk, dtype=torch.bool)
+    rc = lib.dsa_select_many(
+        qf.data_ptr(), wf.data_ptr(), len(rows.lengths), rows.row_off.data_ptr(), H, D,
+        store.data_ptr(), int(store.dtype == torch.bfloat16), rows.tables.data_ptr(),
+        rows.tab_off.data_ptr(), rows.block_size, rows.lengths.data_ptr(), rows.q_pos.data_ptr(),
+        topk, slots.data_ptr(), valid.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"dsa_select_many failed ({rc}): index_head_dim {D} > 256, or no memory")
+    return slots, valid

@@ -68,6 +68,64 @@ def test_prefill_rows_and_odd_head_counts_equal_the_torch_path(n, H, integers):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("integers", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_select_many_equals_the_torch_path_per_sequence(dtype, integers, threads):
+    """A decode batch in one call: sequences of 1, 2 and 3 rows (a decode row, an MTP pair,
+    a few rows), some with fewer keys than top-k, their block tables apart in one store: each
+    sequence's slots and valid equal the torch path's, padded to top-k."""
+    from dist_glm5.ops.key_slots import RowsKeys
+
+    topk, bs, D, H = 64, 16, (64 if integers else 32), 8
+    lengths, counts = [1, 50, 64, 1000, 5000], [1, 2, 1, 3, 2]
+    g = torch.Generator().manual_seed(7)
+    blocks = [-(-L // bs) for L in lengths]
+    order = torch.randperm(sum(blocks) + 9, generator=g)
+    store = (
+        torch.randint(-2, 3, (len(order) * bs, D), generator=g).to(dtype)
+        if integers
+        else torch.randn(len(order) * bs, D, generator=g).to(dtype)
+    )
+    keys, at = [], 0
+    for L, nb in zip(lengths, blocks):
+        keys.append(KeySlots(order[at : at + nb], bs, L))
+        at += nb
+    n = max(counts)
+    R = sum(counts)
+    q = (
+        torch.randint(-1, 2, (R, H, D), generator=g)
+        if integers
+        else torch.randn(R, H, D, generator=g)
+    ).bfloat16()
+    w = (
+        torch.randint(0, 3, (R, H), generator=g).float()
+        if integers
+        else torch.randn(R, H, generator=g)
+    )
+    tok = torch.zeros(len(lengths), n, dtype=torch.int64)
+    q_pos = torch.zeros(len(lengths), n, dtype=torch.int64)
+    r = 0
+    for b, (L, c) in enumerate(zip(lengths, counts)):
+        tok[b, :c] = torch.arange(r, r + c)
+        q_pos[b, :c] = torch.arange(L - c, L).clamp(min=0)
+        r += c
+    rows = RowsKeys.of(tok, q_pos, counts, keys)
+    torch.set_num_threads(threads)
+    try:
+        slots, valid = K.select_many(q[rows.tok], w[rows.tok], store, rows, topk, D)
+    finally:
+        torch.set_num_threads(2)
+    r = 0
+    for c, k in zip(counts, keys):
+        qp = rows.q_pos[r : r + c]
+        _, ws, wv = torch_path(q[r : r + c], w[r : r + c], store, k, qp, topk, D)
+        kk = ws.shape[1]
+        assert torch.equal(slots[r : r + c, :kk], ws) and torch.equal(valid[r : r + c, :kk], wv)
+        assert not valid[r : r + c, kk:].any()  # padding past the sequence's keys
+        r += c
+
+
 def test_select_fused_in_row_blocks_equals_select_and_slots():
     from dist_glm5.backends import get_backend
     from dist_glm5.model.dsa_config import DSAConfig
@@ -95,19 +153,28 @@ def test_the_model_uses_it_for_prefill_and_decode_and_tokens_are_unchanged(defau
     from dist_glm5.sampling.params import SamplingParams
 
     ops = get_backend("cpu").ops()
-    assert ops.select_rows is K.select_rows
-    calls = []
+    assert ops.select_rows is K.select_rows and ops.select_many is K.select_many
+    calls, batched = [], []
 
     def spy(*a):
         calls.append(a[0].shape[0])
         return K.select_rows(*a)
 
+    def spy_many(*a):
+        batched.append(a[0].shape[0])
+        return K.select_many(*a)
+
     sparse = DSAConfig(mode="sparse")
-    fused = load_model(default_model_dir, ops=replace(ops, select_rows=spy), dsa=sparse)
-    plain = load_model(default_model_dir, ops=replace(ops, select_rows=None), dsa=sparse)
+    fused = load_model(
+        default_model_dir, ops=replace(ops, select_rows=spy, select_many=spy_many), dsa=sparse
+    )
+    plain = load_model(
+        default_model_dir, ops=replace(ops, select_rows=None, select_many=None), dsa=sparse
+    )
     ps, P = prompts([150, 90], seed=2), SamplingParams(max_tokens=8, ignore_eos=True)
     assert [x.token_ids for x in generate(fused, ps, P)] == [
         x.token_ids for x in generate(plain, ps, P)
     ]
-    # prefill: each prompt's rows in one call per full layer; decode: one row per sequence
-    assert set(calls) == {150, 90, 1}
+    # prefill: each prompt's rows in one call per full layer; decode: both sequences' rows in
+    # one call per full layer
+    assert set(calls) == {150, 90} and set(batched) == {2}

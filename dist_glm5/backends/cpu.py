@@ -43,6 +43,7 @@ def cpu_ops():
         experts=experts,
         select_topk=select_topk_sorted,
         select_rows=dsa_select.select_rows if fused else None,
+        select_many=dsa_select.select_many if fused else None,
         linear=prod,
         einsum=einsum,
         absorbed_gathered=decode,

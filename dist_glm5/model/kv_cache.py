@@ -21,7 +21,7 @@ import torch
 
 from dist_glm5.model.block_manager import BlockManager, CacheFullError
 from dist_glm5.model.config import ModelConfig
-from dist_glm5.ops.key_slots import KeySlots
+from dist_glm5.ops.key_slots import KeySlots, RowsKeys
 
 __all__ = ["CacheFullError", "Chunk", "ForwardBatch", "KeySlots", "PagedKVCache"]
 
@@ -81,7 +81,17 @@ class AttnGroup:
     q_pos: torch.Tensor  # [B, n] absolute query positions
     keys: list[KeySlots]  # per chunk, its key positions 0..end-1
     real: torch.Tensor | None = None  # [R] flat indices (b * n + j) of the valid rows, host-made
+    counts: list[int] | None = None  # per chunk, its real rows
     _slots: torch.Tensor | None = None
+    _rows_keys: RowsKeys | None = None
+
+    @property
+    def rows_keys(self) -> RowsKeys:
+        """The real rows, flat, and every chunk's keys: a batched selection's input. Built on
+        first use, once per forward (every full layer reads it)."""
+        if self._rows_keys is None:
+            self._rows_keys = RowsKeys.of(self.tok, self.q_pos, self.counts, self.keys)
+        return self._rows_keys
 
     @property
     def slots(self) -> torch.Tensor:
@@ -205,5 +215,6 @@ def make_groups(
             q_pos[r, : c.length] = torch.arange(c.start, c.end)
             valid[r, : c.length] = True
         real = torch.cat([torch.arange(r * n, r * n + chunks[i].length) for r, i in enumerate(ids)])
-        out.append(AttnGroup(ids, tok, valid, q_pos, [keys[i] for i in ids], real))
+        counts = [chunks[i].length for i in ids]
+        out.append(AttnGroup(ids, tok, valid, q_pos, [keys[i] for i in ids], real, counts))
     return out

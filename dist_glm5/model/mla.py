@@ -184,6 +184,39 @@ class MLA(nn.Module):
             and n > 0
         )
 
+    def _batched(self, a: AttnIn, gi: int) -> bool:
+        """Whether decode group gi selects for all its sequences in one call: a full layer whose
+        backend has select_many (rows not split over ranks), or a shared layer after one (its
+        selection is then one Selected for the group, not one per sequence)."""
+        if a.index is None:
+            return isinstance(a.prev_keep[gi], Selected)
+        return self.row_split is None and self.ops.select_many is not None
+
+    def _decode_group(self, a: AttnIn, g, gi: int, out: torch.Tensor) -> Selected:
+        """A decode group at once: one selection call for every sequence's rows (or the previous
+        full layer's), one attention call (W_uk, the gathered keys, W_uv). Fills out's rows."""
+        r = g.rows_keys  # built once per forward
+        if a.index is not None:
+            ix = a.index
+            slots, valid = self.ops.select_many(
+                ix.q[r.tok], ix.w[r.tok], ix.store, r, self.topk, self.indexer.head_dim
+            )
+            chosen = Selected(None, slots, valid)
+        else:
+            chosen = a.prev_keep[gi]
+        out[r.tok] = self.ops.absorbed_gathered(
+            a.q_nope[r.tok],
+            a.q_rot[r.tok],
+            self.kv_b_proj.weight,
+            a.kv_store,
+            chosen.slots,
+            chosen.valid,
+            self.nope,
+            self.scale,
+            self.dsa.gather_cap_bytes,
+        )
+        return chosen
+
     def _sparse(self, a: AttnIn, batch: ForwardBatch) -> tuple[torch.Tensor, list]:
         """The scaled path (dsa.py): per-row top-k, capped gathers; decode gathers exactly each
         row's keys, prefill attends per row or per window (DSAConfig.prefill_attention).
@@ -196,6 +229,9 @@ class MLA(nn.Module):
         keeps = []
         for gi, g in enumerate(batch.groups):
             small = g.tok.shape[1] <= SMALL_CHUNK
+            if small and self._batched(a, gi):
+                keeps.append(self._decode_group(a, g, gi, out))
+                continue
             gkeep, dec_slots, dec_ok, toks_all = [], [], [], []
             for bi in range(g.tok.shape[0]):
                 # the real rows are a prefix of the padded ones: a slice, not a boolean mask

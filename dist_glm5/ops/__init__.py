@@ -52,6 +52,11 @@ class Ops:
     # head_dim, keep=None) -> (keep [n, L], slots [n, k], valid [n, k]), what index_scores +
     # select_topk + dsa.selected_slots give (kernels/dsa_select.py). None: those three.
     select_rows: "Callable | None" = None
+    # Optional: select_rows for the rows of several sequences at once (a decode batch):
+    # (q [R, Hi, D], w [R, Hi], idx_store, rows: RowsKeys, topk, head_dim) -> (slots, valid
+    # [R, topk]), each sequence's picks padded to topk (kernels/dsa_select.select_many). None:
+    # one select_rows (or the torch path) per sequence.
+    select_many: "Callable | None" = None
 
 
 def reference_ops() -> Ops:

@@ -6,6 +6,7 @@ ops/ gather through it and ops/ imports nothing from model/.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -40,3 +41,35 @@ class KeySlots:
         the first block when the cache gave it: a device graph reads no value back."""
         b = self.first_block if self.first_block is not None else int(self.table[0])
         return b * self.block_size
+
+
+@dataclass(frozen=True)
+class RowsKeys:
+    """Several sequences' query rows, flat, with each sequence's keys: what one batched selection
+    reads for a whole decode batch (built once per forward, read by every full layer). Sequence s
+    owns rows [row_off[s], row_off[s + 1]) and its lengths[s] keys through the block table at
+    tables[tab_off[s]:]."""
+
+    tok: torch.Tensor  # [R] int64: each row's token in the forward
+    q_pos: torch.Tensor  # [R] int64
+    row_off: torch.Tensor  # [S + 1] int32
+    tables: torch.Tensor  # [total blocks] int64: the block tables, one after another
+    tab_off: torch.Tensor  # [S] int64
+    lengths: torch.Tensor  # [S] int64
+    block_size: int
+
+    @classmethod
+    def of(cls, tok: torch.Tensor, q_pos: torch.Tensor, counts: list[int], keys: list[KeySlots]):
+        """tok, q_pos [B, n] padded per sequence; counts[b] real rows of sequence b."""
+        n = tok.shape[1]
+        real = torch.cat([torch.arange(b * n, b * n + c) for b, c in enumerate(counts)])
+        sizes = [len(k.table) for k in keys]
+        return cls(
+            tok.reshape(-1)[real],
+            q_pos.reshape(-1)[real],
+            torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32),
+            torch.cat([k.table for k in keys]).to(torch.int64),
+            torch.tensor([0, *itertools.accumulate(sizes)][:-1], dtype=torch.int64),
+            torch.tensor([len(k) for k in keys], dtype=torch.int64),
+            keys[0].block_size,
+        )
