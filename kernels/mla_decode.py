@@ -1,6 +1,6 @@
 """Sparse MLA decode in one C call per layer (kernels/mla_decode.c): `absorbed_gathered`, the
 signature of ops/attention.absorbed_gathered (W_uk, attend_gathered, W_uv), which stays the
-reference beside it and takes what this does not (mixed dtypes, a rope dim over 64).
+reference beside it and takes what this does not (mixed dtypes, other layouts).
 `available()` is False when the kernel cannot build or DIST_GLM5_KERNELS=0.
 """
 
@@ -48,7 +48,6 @@ def absorbed_gathered(
         and q_rot.is_contiguous()
         and w_kv_b.is_contiguous()
         and kv_store.is_contiguous()
-        and r <= 64
         and w_kv_b.shape[1] == c
     )
     if not ok:
