@@ -369,9 +369,7 @@ class Trainer:
         _hold_zero(att.q_b_proj.weight, range(c.qk_nope_head_dim, head))
         ix = att.indexer  # an indexer head's q: [rope | rest]
         rows = [
-            h * ix.head_dim + j
-            for h in range(ix.n_heads // 2)
-            for j in range(c.qk_rope_head_dim)
+            h * ix.head_dim + j for h in range(ix.n_heads // 2) for j in range(c.qk_rope_head_dim)
         ]
         _hold_zero(ix.wq_b.weight, rows)
 
