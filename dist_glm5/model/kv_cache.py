@@ -90,7 +90,7 @@ class AttnGroup:
         """The real rows, flat, and every chunk's keys: a batched selection's input. Built on
         first use, once per forward (every full layer reads it)."""
         if self._rows_keys is None:
-            self._rows_keys = RowsKeys.of(self.tok, self.q_pos, self.counts, self.keys)
+            self._rows_keys = RowsKeys.of(self.tok, self.q_pos, self.real, self.counts, self.keys)
         return self._rows_keys
 
     @property

@@ -59,10 +59,9 @@ class RowsKeys:
     block_size: int
 
     @classmethod
-    def of(cls, tok: torch.Tensor, q_pos: torch.Tensor, counts: list[int], keys: list[KeySlots]):
-        """tok, q_pos [B, n] padded per sequence; counts[b] real rows of sequence b."""
-        n = tok.shape[1]
-        real = torch.cat([torch.arange(b * n, b * n + c) for b, c in enumerate(counts)])
+    def of(cls, tok, q_pos, real: torch.Tensor, counts: list[int], keys: list[KeySlots]):
+        """tok, q_pos [B, n] padded per sequence; real [R] the flat indices of the real rows
+        (AttnGroup.real); counts[b] real rows of sequence b."""
         sizes = [len(k.table) for k in keys]
         return cls(
             tok.reshape(-1)[real],
