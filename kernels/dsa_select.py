@@ -54,6 +54,15 @@ def _scores(n: int, L: int) -> torch.Tensor:
     return buf[: n * L].view(n, L)
 
 
+def _inputs(lib, q, w, idx_store, head_dim: int):
+    """What both entry points hand the kernel: q and w (scaled) as contiguous fp32, the store."""
+    if lib is None or idx_store.dtype not in (torch.bfloat16, torch.float32):
+        raise RuntimeError("dsa_select kernel unavailable: use the torch path")
+    qf = q.float().contiguous()
+    wf = (w.float() * head_dim**-0.5).contiguous()
+    return qf, wf, idx_store if idx_store.is_contiguous() else idx_store.contiguous()
+
+
 def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int, keep=None, mask=True):
     """q [n, Hi, D], w [n, Hi] fp32, idx_store [S, D] (bf16 or fp32), keys: KeySlots of the
     sequence, q_pos [n] -> (keep [n, L], slots [n, k], valid [n, k]), k = min(topk, L).
@@ -63,11 +72,7 @@ def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int, keep=Non
     n, H, D = q.shape
     L = len(keys)
     k = min(topk, L)
-    if lib is None or idx_store.dtype not in (torch.bfloat16, torch.float32):
-        raise RuntimeError("dsa_select kernel unavailable: use the torch path")
-    qf = q.float().contiguous()
-    wf = (w.float() * head_dim**-0.5).contiguous()
-    store = idx_store if idx_store.is_contiguous() else idx_store.contiguous()
+    qf, wf, store = _inputs(lib, q, w, idx_store, head_dim)
     table = keys.table.to(torch.int64).contiguous()
     qp = q_pos.to(torch.int64).contiguous()
     scores = _scores(n, L)
@@ -111,11 +116,7 @@ def select_many(q, w, idx_store, rows, topk: int, head_dim: int):
     slot, not valid), as select_rows' slots padded to topk."""
     lib = _kernel.get()
     R, H, D = q.shape
-    if lib is None or idx_store.dtype not in (torch.bfloat16, torch.float32):
-        raise RuntimeError("dsa_select kernel unavailable: use the torch path")
-    qf = q.float().contiguous()
-    wf = (w.float() * head_dim**-0.5).contiguous()
-    store = idx_store if idx_store.is_contiguous() else idx_store.contiguous()
+    qf, wf, store = _inputs(lib, q, w, idx_store, head_dim)
     slots = torch.empty(R, topk, dtype=torch.int64)
     valid = torch.empty(R, topk, dtype=torch.bool)
     rc = lib.dsa_select_many(
