@@ -204,18 +204,23 @@ class MLA(nn.Module):
             chosen = Selected(None, slots, valid)
         else:
             chosen = a.prev_keep[gi]
-        out[r.tok] = self.ops.absorbed_gathered(
-            a.q_nope[r.tok],
-            a.q_rot[r.tok],
+        out[r.tok] = self._attend_decode(a, r.tok, chosen.slots, chosen.valid)
+        return chosen
+
+    def _attend_decode(self, a: AttnIn, toks, slots, valid) -> torch.Tensor:
+        """Decode rows toks over their selected cache rows in one call: W_uk, the gathered
+        attention, W_uv -> [n, h, v]."""
+        return self.ops.absorbed_gathered(
+            a.q_nope[toks],
+            a.q_rot[toks],
             self.kv_b_proj.weight,
             a.kv_store,
-            chosen.slots,
-            chosen.valid,
+            slots,
+            valid,
             self.nope,
             self.scale,
             self.dsa.gather_cap_bytes,
         )
-        return chosen
 
     def _sparse(self, a: AttnIn, batch: ForwardBatch) -> tuple[torch.Tensor, list]:
         """The scaled path (dsa.py): per-row top-k, capped gathers; decode gathers exactly each
@@ -290,16 +295,11 @@ class MLA(nn.Module):
             if small:  # every decode row of the group in one call: W_uk, attention, W_uv
                 one = len(toks_all) == 1
                 toks = toks_all[0] if one else torch.cat(toks_all)
-                out[toks] = self.ops.absorbed_gathered(
-                    a.q_nope[toks],
-                    a.q_rot[toks],
-                    self.kv_b_proj.weight,
-                    a.kv_store,
+                out[toks] = self._attend_decode(
+                    a,
+                    toks,
                     dec_slots[0] if one else torch.cat(dec_slots),
                     dec_ok[0] if one else torch.cat(dec_ok),
-                    self.nope,
-                    self.scale,
-                    self.dsa.gather_cap_bytes,
                 )
             keeps.append(gkeep)
         return out, keeps
