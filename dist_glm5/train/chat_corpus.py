@@ -195,6 +195,18 @@ def _call_text(doc: ChatDoc, call: dict, at: dict[str, int]) -> None:
     doc.add("</tool_call>")
 
 
+def _json_object(doc: ChatDoc, obj: dict, src: dict[str, int] | None = None) -> dict[str, int]:
+    """obj as compact JSON, each value marked as a repeat of src[key] where given; returns where
+    each value starts."""
+    at, src = {}, src or {}
+    doc.add("{")
+    for i, (k, v) in enumerate(obj.items()):
+        doc.add(("," if i else "") + json.dumps(k) + ":")
+        at[k] = doc.add(json.dumps(v, separators=COMPACT), src.get(k, -1))
+    doc.add("}")
+    return at
+
+
 def tool_chat(rng: random.Random, w: Words, doc: ChatDoc) -> None:
     """Tools listed, a request, the call(s) and <eos>; sometimes the tool's result and a reply."""
     tools = [rand_function(rng, w) for _ in range(rng.choice([1] * 6 + [2] * 3 + [3]))]
@@ -218,12 +230,8 @@ def tool_chat(rng: random.Random, w: Words, doc: ChatDoc) -> None:
     result = {w.word(rng): rand_value(rng, w, {"type": rng.choice(["string", "integer"])})}
     result.update({w.word(rng): rand_value(rng, w, rand_schema(rng, w, 1)) for _ in range(2)})
     doc.add("\n<|observation|>\n<tool_response>\n")
-    res_at = {}
-    doc.add("{")
-    for i, (k, v) in enumerate(result.items()):
-        doc.add(("," if i else "") + json.dumps(k) + ":")
-        res_at[k] = doc.add(json.dumps(v, separators=COMPACT))
-    doc.add("}\n</tool_response>\n<|assistant|>\n")
+    res_at = _json_object(doc, result)
+    doc.add("\n</tool_response>\n<|assistant|>\n")
     k = next(iter(result))
     v = json.dumps(result[k], separators=COMPACT)
     doc.add(rng.choice([f"The {k} is ", f"{k.capitalize()}: ", "Done, "]))
@@ -246,11 +254,8 @@ def json_chat(rng: random.Random, w: Words, doc: ChatDoc) -> None:
         for i, (k, v) in enumerate(obj.items()):
             doc.add((", " if i else "") + f"{k} ")
             at[k] = doc.add(json.dumps(v, separators=COMPACT))
-    doc.add("\n<|assistant|>\n{")
-    for i, (k, v) in enumerate(obj.items()):
-        doc.add(("," if i else "") + json.dumps(k) + ":")
-        doc.add(json.dumps(v, separators=COMPACT), at.get(k, -1))
-    doc.add("}")
+    doc.add("\n<|assistant|>\n")
+    _json_object(doc, obj, at)
     doc.eos()
 
 
