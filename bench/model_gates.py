@@ -60,18 +60,18 @@ def register(p: argparse.ArgumentParser) -> None:
 
 
 # ---- the requests ------------------------------------------------------------------------------
-def _fn(fname: str, **props: str) -> dict:
-    return {
-        "type": "function",
-        "function": {
-            "name": fname,
-            "parameters": {
-                "type": "object",
-                "properties": {k: {"type": t} for k, t in props.items()},
-                "required": list(props),
-            },
-        },
+def schema_of(props: dict, closed: bool = False) -> dict:
+    """An object schema of {key: JSON type}, every key required; closed: no other keys."""
+    s = {
+        "type": "object",
+        "properties": {k: {"type": t} for k, t in props.items()},
+        "required": list(props),
     }
+    return {**s, "additionalProperties": False} if closed else s
+
+
+def _fn(fname: str, **props: str) -> dict:
+    return {"type": "function", "function": {"name": fname, "parameters": schema_of(props)}}
 
 
 TOOL_CASES = [  # (tools, the one to call, the user's message)
@@ -137,15 +137,6 @@ def tool_requests() -> list[dict]:
                 )
             )
     return out
-
-
-def schema_of(props: dict) -> dict:
-    return {
-        "type": "object",
-        "properties": {k: {"type": t} for k, t in props.items()},
-        "required": list(props),
-        "additionalProperties": False,
-    }
 
 
 # ---- checks ------------------------------------------------------------------------------------
@@ -232,7 +223,7 @@ def api_gates(url: str) -> dict:
         return {"text": text, "finish": r.choices[0].finish_reason, "ok": ok}
 
     def json_schema(props):
-        schema = schema_of(props)
+        schema = schema_of(props, closed=True)
         skeleton = json.dumps(dict.fromkeys(props, ""), separators=(",", ":"))
         r = client.chat.completions.create(
             model=model,
@@ -277,8 +268,12 @@ def verdicts(res: dict) -> dict:
         a = res["api"]
         v["code"] = a["code"]["pass"]
         v["tools"] = a["tools"]["closed"] / a["tools"]["of"] >= GATES["tools"]
-        v["json_object"] = a["json_object"]["parsed"] / 10 >= GATES["json_object"]
-        v["json_schema"] = a["json_schema"]["validated"] / 10 >= GATES["json_schema"]
+        v["json_object"] = (
+            a["json_object"]["parsed"] / a["json_object"]["of"] >= GATES["json_object"]
+        )
+        v["json_schema"] = (
+            a["json_schema"]["validated"] / a["json_schema"]["of"] >= GATES["json_schema"]
+        )
     if "needles" in res:
         n, found, equal = res["needles"], 0, True
         for length in res["gate_lengths"]:
