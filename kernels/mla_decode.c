@@ -9,7 +9,7 @@
  * gather, widen, two einsums, mask, softmax and einsum) is a dozen eager ops per layer, about
  * 0.8 ms of overhead per layer at batch 1 on this machine for 0.1 ms of arithmetic. Here each
  * selected cache row is widened once and scored for every head while in L1, the heads in the
- * vector lanes (at batch 32, 1.4x the head-by-head dot products it replaced).
+ * vector lanes (at batch 32, 1.1-1.4x the head-by-head dot products it replaced).
  * Products and sums are fp32 with the reference's roundings; only the order of the fp32
  * additions differs. Rows go over threads. target_clones: AVX-512 / AVX2+FMA / baseline.
  */
