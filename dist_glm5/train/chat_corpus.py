@@ -33,6 +33,15 @@ NAMES = (
     "Barbara Donald Ken Dennis Margaret Niklaus Frances Leslie John Tim Sofia Omar Priya Chen Lena"
 ).split()
 VERBS = "get set add find list make send read load save check count open close move fetch".split()
+# common nouns of APIs and their arguments: tool names and keys are English words as often as code
+# identifiers (a newcomer's functions are get_weather(city), not gmtoff_bad(optname))
+NOUNS = (
+    "weather city user name message text limit unit width height path file item count size color "
+    "title email host port mode word key value language note task event date time price order "
+    "book song movie place address phone query topic label tag score level page image photo list "
+    "amount number age id status type format folder account team project report room day month "
+    "year speed volume temperature location country region owner group channel reason comment"
+).split()
 
 
 @dataclass(frozen=True)
@@ -47,10 +56,13 @@ class Words:
             rb"(?<![A-Za-z0-9_])[a-z][a-z0-9]{2,9}(?![A-Za-z0-9_])", text[:8_000_000]
         )
         top = [w.decode() for w, _ in Counter(found).most_common(n)]
-        return cls(tuple(w for w in top if w not in {"def", "self", "the", "and", "for"}))
+        skip = {"def", "self", "the", "and", "for"}
+        hexy = re.compile(r"[ux][0-9a-f]+")  # escapes such as u2502, x89: not names
+        return cls(tuple(w for w in top if w not in skip and not hexy.fullmatch(w)))
 
     def word(self, rng: random.Random) -> str:
-        return rng.choice(self.idents)
+        """An English noun half the time, an identifier of the code otherwise."""
+        return rng.choice(NOUNS) if rng.random() < 0.5 else rng.choice(self.idents)
 
 
 # ---- random schemas and values -----------------------------------------------------------------
@@ -164,15 +176,74 @@ def _pairs_text(rng: random.Random, args: dict) -> list[tuple[str, str]]:
     return [(pre.format(k=k), arg_text(v)) for k, v in args.items()]
 
 
+def _plain_request(rng: random.Random, doc: ChatDoc, fn: dict, args: dict) -> dict[str, int]:
+    """A request in plain English that states the values without their keys ("What is the
+    weather in Oslo?", "Add 3 items.", "Make it 640 by 480."); returns where each value starts."""
+    parts = fn["name"].split("_")
+    verb, noun = (parts[0], parts[-1]) if len(parts) > 1 else (rng.choice(VERBS), parts[0])
+    noun = rng.choice([noun, noun, rng.choice(NOUNS)])
+    vals = [(k, arg_text(v)) for k, v in args.items()]
+    rng.shuffle(vals)  # the sentence's order need not be the call's
+    first_int = (
+        vals and isinstance(args[vals[0][0]], int) and not isinstance(args[vals[0][0]], bool)
+    )
+    u = rng.random()
+    if first_int and u < 0.3:
+        lead = f"{verb.capitalize()} "  # "Add 3 items ..."
+    elif u < 0.5:
+        lead = rng.choice(
+            [f"What is the {noun} ", "Who is ", f"Where is the {noun} ", f"How is the {noun} "]
+        )
+    else:
+        lead = rng.choice(
+            [
+                f"{verb.capitalize()} the {noun} ",
+                f"Can you {verb} the {noun} ",
+                f"Please {verb} ",
+                f"I need to {verb} the {noun} ",
+                f"{verb.capitalize()} it ",
+                "Make it ",
+                f"Tell {noun} ",
+                f"Could you {verb} ",
+            ]
+        )
+    doc.add(lead)
+    at: dict[str, int] = {}
+    for i, (key, v) in enumerate(vals):
+        if i:
+            doc.add(rng.choice([" and ", ", ", " by ", " to ", " with ", " "]))
+        elif not lead.startswith(("Who", "Tell", "Make")) and lead != f"{verb.capitalize()} ":
+            doc.add(rng.choice(["in ", "for ", "to ", "of ", "at ", "", "with ", "about "]))
+        at[key] = doc.add(v)
+        if i == 0 and first_int and lead == f"{verb.capitalize()} ":
+            doc.add(f" {noun}s")
+    doc.add(rng.choice(["?", ".", "!", " please.", "", ", thanks.", " per day."]))
+    return at
+
+
 def _request(rng: random.Random, doc: ChatDoc, fn: dict, args: dict, say_values: bool) -> dict:
     """Append the user's request for a call of fn to doc; returns {key: where its value starts}."""
+    if say_values and args and rng.random() < 0.5:
+        return _plain_request(rng, doc, fn, args)
     name = fn["name"]
     lead = rng.choice(
         [f"Call {name} with ", f"Use {name}: ", f"Please run {name} for ", f"{name}: ", "Do it: "]
     )
     at: dict[str, int] = {}
-    if not say_values or not args:
-        doc.add(rng.choice([f"Call {name}.", f"Use {name} please.", f"Run {name}.", "Go ahead."]))
+    if not say_values or not args:  # the model makes the values up
+        parts = name.split("_")
+        doc.add(
+            rng.choice(
+                [
+                    f"Call {name}.",
+                    f"Use {name} please.",
+                    "Go ahead.",
+                    f"{parts[0].capitalize()} the {parts[-1]}.",
+                    f"Open the {rng.choice(NOUNS)} {parts[-1]}.",
+                    f"Can you {rng.choice(VERBS)} my {parts[-1]}?",
+                ]
+            )
+        )
         return at
     doc.add(lead)
     pairs = _pairs_text(rng, args)
@@ -242,13 +313,36 @@ def tool_chat(rng: random.Random, w: Words, doc: ChatDoc) -> None:
 
 def json_chat(rng: random.Random, w: Words, doc: ChatDoc) -> None:
     """A request for a JSON object (its keys, sometimes its values, named), the object, <eos>."""
-    schema = object_schema(rng, w, 0, rng.randint(1, 5))
+    # short objects mostly: a reply closes within the few dozen tokens a request allows
+    schema = object_schema(rng, w, 0, rng.choice([1, 1, 2, 2, 2, 3, 3, 4, 5]))
     obj = rand_value(rng, w, schema)
     keys = ", ".join(obj) or "anything"
     doc.add("<|user|>\n")
     at = {}
-    if rng.random() < 0.5:
+    u = rng.random()
+    if u < 0.35:
         doc.add(rng.choice([f"Reply in JSON with {keys}.", f"JSON please: {keys}", "Return JSON."]))
+    elif u < 0.7:  # plain English that names neither keys nor values
+        noun, name = rng.choice(NOUNS), rng.choice(NAMES)
+        keys2 = " and ".join(f"a {k}" for k in list(obj)[:2]) or "a name"
+        doc.add(
+            rng.choice(
+                [
+                    f"Give me a JSON object describing a {noun}.",
+                    f"Return the {noun} as JSON.",
+                    f"A JSON object with {keys2}, please.",
+                    f"Describe {name} in JSON.",
+                    f"List some {noun}s in JSON.",
+                    "Reply in JSON.",
+                    f"What is {rng.randint(1, 9)} + {rng.randint(1, 9)}? Answer in JSON.",
+                    f"A {noun} record as JSON.",
+                    f"Make a JSON config for a {noun}.",
+                    f"Summarise this in JSON: the {noun} is {w.word(rng)}.",
+                    f"Fill in: {keys}",
+                    f"JSON for {name}'s {noun}?",
+                ]
+            )
+        )
     else:
         doc.add("Make a JSON object: ")
         for i, (k, v) in enumerate(obj.items()):
@@ -293,7 +387,7 @@ def json_text(rng: random.Random, w: Words, doc: ChatDoc) -> None:
     doc.add("\n")
 
 
-KINDS = (("tool", 0.45), ("json_chat", 0.2), ("text", 0.15), ("json", 0.2))
+KINDS = (("tool", 0.5), ("json_chat", 0.25), ("text", 0.1), ("json", 0.15))
 
 
 def chat_row(rng: random.Random, w: Words, n: int, code: bytes) -> tuple[list[int], list[int]]:
