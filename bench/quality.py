@@ -120,8 +120,9 @@ def bpb(model, texts) -> dict:
 
 
 # ---- engines -------------------------------------------------------------------------------
-def engine(model_dir, stages=1, mtp=False, dsa=None, blocks=1024, chunk=256):
-    """A coordinator: in process for one stage, a local two-node Ray cluster otherwise."""
+def engine(model_dir, stages=1, mtp=False, dsa=None, blocks=1024, chunk=256, dtype="float32"):
+    """A coordinator: in process for one stage, a local two-node Ray cluster otherwise.
+    dtype: float32 (the quality figures), None (the checkpoint's: what `launch` serves)."""
     from dist_glm5.checkpoint.tokenizer import load_tokenizer
     from dist_glm5.engine.config import CacheConfig, EngineConfig, Layout, StageSpec
     from dist_glm5.engine.coordinator import Coordinator
@@ -137,7 +138,7 @@ def engine(model_dir, stages=1, mtp=False, dsa=None, blocks=1024, chunk=256):
         SchedulerConfig(chunk_tokens=chunk, step_tokens=max(1024, chunk)),
         dsa or DSAConfig(),
         mtp=mtp,
-        dtype="float32",
+        dtype=dtype,
     )
     if stages == 1:
         from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
@@ -154,40 +155,55 @@ def engine(model_dir, stages=1, mtp=False, dsa=None, blocks=1024, chunk=256):
 
 # ---- MTP -------------------------------------------------------------------------------------
 def mtp_figures(model_dir, texts, n_tokens: int) -> dict:
+    """Acceptance and decode speed with and without MTP, as `launch generate` runs them (the
+    checkpoint's dtype, sparse DSA): the two engines take turns per prompt, so both see the same
+    minutes of a shared machine."""
+    from dist_glm5.model.dsa_config import DSAConfig
     from dist_glm5.sampling.params import SamplingParams
 
     prompts = [list(t[:384]) for t in texts[:6]]
-    out = {"prompts": f"{len(prompts)} held-out prompts x 384 bytes, {n_tokens} new tokens each"}
+    out = {
+        "prompts": f"{len(prompts)} held-out prompts x 384 bytes, {n_tokens} new tokens each",
+        "engine": "the checkpoint's dtype, sparse DSA (as launch generate); decode steps timed",
+    }
     runs = {}
     for name, temp in (("greedy", 0.0), ("t0.7", 0.7)):
-        for mtp in (False, True):
-            c = engine(model_dir, mtp=mtp)
-            toks, secs, steps, prop, acc = 0, 0.0, 0, 0, 0
-            outputs = []
-            for i, p in enumerate(prompts):  # one sequence at a time: decode speed, not batching
+        engines = {
+            mtp: engine(model_dir, mtp=mtp, dsa=DSAConfig(mode="sparse"), dtype=None)
+            for mtp in (False, True)
+        }
+        tally = {mtp: dict(toks=0, secs=0.0, steps=0, prop=0, acc=0, outs=[]) for mtp in engines}
+        for i, p in enumerate(prompts):  # one sequence at a time: decode speed, not batching
+            for mtp in (False, True) if i % 2 == 0 else (True, False):
+                c, t = engines[mtp], tally[mtp]
                 params = SamplingParams(
                     max_tokens=n_tokens, temperature=temp, seed=i, ignore_eos=True
                 )
                 c.run([p[:64]], SamplingParams(max_tokens=1))  # warm the worker
+                s = c.add(p, params)
+                while not s.output:  # prefill: its last chunk samples the first token
+                    c.step()
                 t0 = time.perf_counter()
-                (s,) = c.run([p], params)
-                secs += time.perf_counter() - t0
-                # the first token comes with the last prefill chunk; the rest from decode steps
-                toks += len(s.output) - 1
-                steps += s.steps - math.ceil(len(p) / 256)
-                prop += s.drafts_proposed
-                acc += s.drafts_accepted
-                outputs.append(s.output)
+                while c.has_work:  # decode: what MTP speeds up
+                    c.step()
+                t["secs"] += time.perf_counter() - t0
+                t["toks"] += len(s.output) - 1
+                t["steps"] += s.steps - math.ceil(len(p) / 256)
+                t["prop"] += s.drafts_proposed
+                t["acc"] += s.drafts_accepted
+                t["outs"].append(s.output)
+        for mtp, c in engines.items():
             c.close()
-            runs[(name, mtp)] = outputs
+            t = tally[mtp]
+            runs[(name, mtp)] = t["outs"]
             key = f"{name}_{'mtp' if mtp else 'plain'}"
             out[key] = {
-                "tokens_per_s": round(toks / secs, 1),
-                "tokens_per_step": round(toks / max(1, steps), 3),
+                "tokens_per_s": round(t["toks"] / t["secs"], 1),
+                "tokens_per_step": round(t["toks"] / max(1, t["steps"]), 3),
             }
             if mtp:
-                out[key]["acceptance"] = round(acc / max(1, prop), 3)
-                out[key]["drafts"] = [prop, acc]
+                out[key]["acceptance"] = round(t["acc"] / max(1, t["prop"]), 3)
+                out[key]["drafts"] = [t["prop"], t["acc"]]
         out[f"{name}_speedup"] = round(
             out[f"{name}_mtp"]["tokens_per_s"] / out[f"{name}_plain"]["tokens_per_s"], 3
         )
