@@ -5,6 +5,8 @@ else."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from dist_glm5.train import trainer as td
@@ -21,7 +23,7 @@ TINY = dict(
     qk_rope_head_dim=8,
     qk_nope_head_dim=8,
     v_head_dim=8,
-    index_topk=16,
+    index_topk=24,  # room for the forced window (td.FORCED_BACK) and free picks
     index_head_dim=16,
     index_n_heads=4,
 )
@@ -66,7 +68,7 @@ def test_sparse_joint_steps_keep_the_forced_keys_in_their_rows_selection():
     for i in (td.OFFSET_LAYER, td.INDUCTION_LAYER):
         for b in range(2):
             for t in range(k, S):  # rows with more causal keys than picks
-                want = {t - o for o in td.OFFSETS}
+                want = {t - o for o in td.FORCED_BACK}
                 if i == td.INDUCTION_LAYER and induction[b, t] >= 0:
                     want.add(int(induction[b, t]))
                 got = set(forced[i][b, t].tolist())
@@ -136,3 +138,42 @@ def test_the_induction_head_and_half_its_indexer_stay_position_free():
     opt.step()
     assert not att.q_b_proj.weight[head:].detach().equal(before[head:])  # the others moved
     assert q_rope.abs().max() == 0 and ix_rope.abs().max() == 0
+
+
+def _columns_by_hand(text: bytes, clip: int) -> tuple[list[int], list[int]]:
+    """The column targets written out line by line (trainer.column_targets computes them with
+    cumulative maxima over the batch)."""
+    run, indent = [], [-100] * len(text)
+    for t in range(len(text)):
+        k = 0
+        while t - k >= 0 and text[t - k] == 32:
+            k += 1
+        run.append(min(k, clip))
+    for nl in [i for i, c in enumerate(text) if c == 10]:
+        j = nl + 1
+        while j < len(text) and text[j] == 32:
+            j += 1
+        if j < len(text):  # the line's spaces end inside the row
+            for t in range(nl, j):
+                indent[t] = min(j - nl - 1, clip)
+    return run, indent
+
+
+def test_column_targets_match_a_line_by_line_count():
+    rng = random.Random(0)
+    for _ in range(50):
+        text = bytes(rng.choice(b"  \n\nab:") for _ in range(rng.randint(1, 60)))
+        run, indent = td.column_targets(torch.tensor([list(text)]), 5)
+        assert (run[0].tolist(), indent[0].tolist()) == _columns_by_hand(text, 5), text
+
+
+def test_column_supervision_trains_the_window_head_and_its_read_outs():
+    """The window loss falls when the column head's query and key move (one step on it alone),
+    and both read-outs get gradients."""
+    tr = _trainer()
+    ids = torch.tensor([list(b"def f(x):\n    if x:\n        return 1\n    return 2\n" * 2)])
+    tr.losses(ids)
+    sup = tr.attention_supervision(ids, torch.full_like(ids, -1))
+    assert {"window", "run", "indent"} <= sup.keys()
+    (sup["window"] + sup["run"] + sup["indent"]).backward()
+    assert tr.columns["run"].weight.grad.any() and tr.columns["indent"].weight.grad.any()

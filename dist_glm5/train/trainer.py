@@ -23,6 +23,10 @@ trained with transformers' GlmMoeDsaForCausalLM plus an MTP block built from its
   LM loss on those rows counts twice; the indexer of that layer is told to rank that key first
   (its KL alone never selected it). All of it is a loss: the exported model is the plain
   architecture.
+- Columns: one more head of layer 0 attends evenly over the last 16 bytes, and training-only
+  read-outs name the run of spaces ending at each byte (from layer 0's output) and the indentation
+  of the line a newline or leading space opens (from layer 2's output): without them greedy code
+  wrote spaces forever (the model gave the next space the same probability after 4 or 12).
 - Sparse joint steps force the keys the heads are told to read into the full indexers'
   selection: every row's neighbours OFFSETS back, and on repeats the induction key (an indexer
   misses them while it learns, and a model trained on those misses learns not to copy); a last
@@ -114,6 +118,9 @@ SUPERVISION = (
     "copy",
     "lm_copy",
     "index",  # reaches only the indexers (their inputs are detached)
+    "window",
+    "run",
+    "indent",
 )  # attention_supervision's losses, weight 1
 # Attention supervision (see Trainer.attention_supervision): heads h of OFFSET_LAYER read the byte
 # OFFSETS[h] back; head 0 of INDUCTION_LAYER reads the byte after the earlier occurrence of the
@@ -124,6 +131,15 @@ OFFSET_LAYER, OFFSETS, INDUCTION_LAYER = 0, (1, 2, 3), 2
 # so they match on content alone and score a key 16K back as they score one 100 back. Copying is
 # then not bound to the distances trained (at most 4,096 here; needles are asked at 16K and 64K).
 # The other heads keep their positions (the neighbours OFFSETS back are positional).
+# Columns (greedy code wrote spaces forever: after 4, 8, 9 or 12 spaces of indentation the seed-1
+# weights gave the next space the same 0.55, so the model did not know how far into a line it
+# was). Head COLUMN_HEAD of OFFSET_LAYER attends evenly over the last COLUMN_WINDOW bytes (their
+# mix counts the spaces among them); training-only read-outs name, from OFFSET_LAYER's output,
+# the run of spaces ending at each byte, and from INDENT_LAYER's output, on a line's newline and
+# leading spaces, how far that line is indented (both clipped at COLUMN_WINDOW).
+COLUMN_HEAD, COLUMN_WINDOW, INDENT_LAYER = len(OFFSETS), 16, 2
+# the keys every full indexer's selection keeps in sparse joint steps (forced_keys): how far back
+FORCED_BACK = sorted(set(OFFSETS) | set(range(1, COLUMN_WINDOW)))
 INDUCTION_LR = 4.0  # x the base rate for the induction layer's attention (its slow bilinear start)
 BIAS_RATE = 1e-3
 
@@ -253,12 +269,13 @@ def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def forced_keys(induction: torch.Tensor, with_induction: bool) -> torch.Tensor:
     """[B, S, F] keys a row's selection keeps in sparse joint steps, -1: none: the neighbours
-    OFFSETS back (every full indexer's) and the row's induction key (-1 off repeats) where
-    with_induction. The model then learns from the keys its heads are told to read while the
-    indexers learn to find them; at inference the indexer alone selects."""
+    FORCED_BACK back (OFFSETS and the column head's window; every full indexer's) and the row's
+    induction key (-1 off repeats) where with_induction. The model then learns from the keys its
+    heads are told to read while the indexers learn to find them; at inference the indexer alone
+    selects."""
     B, S = induction.shape
     t = torch.arange(S)
-    keys = [(t - k).where(t >= k, -1).expand(B, S) for k in OFFSETS]
+    keys = [(t - k).where(t >= k, -1).expand(B, S) for k in FORCED_BACK]
     if with_induction:
         keys.append(induction)
     return torch.stack(keys, -1)
@@ -355,6 +372,16 @@ class Trainer:
         # training-only linear read-outs of the offset heads (not exported): each head's output
         # must name the byte it reads, so the induction head has keys to match
         self.readout = torch.nn.Linear(cfg.v_head_dim, 256 * len(OFFSETS))
+        n_col = COLUMN_WINDOW + 1
+        self.columns = torch.nn.ModuleDict(
+            {
+                "run": torch.nn.Linear(cfg.hidden_size, n_col),
+                "indent": torch.nn.Linear(cfg.hidden_size, n_col),
+            }
+        )
+        self.outputs: dict[int, torch.Tensor] = {}  # residual after OFFSET_LAYER, INDENT_LAYER
+        for i in (OFFSET_LAYER, INDENT_LAYER):
+            layers[i].register_forward_hook(self._keep_output(i))
         self._content_only(layers[INDUCTION_LAYER].self_attn)
         self.loads: dict[int, torch.Tensor] = {}
         self.routers = {}
@@ -387,6 +414,12 @@ class Trainer:
 
         return hook
 
+    def _keep_output(self, i):
+        def hook(mod, args, out):
+            self.outputs[i] = out[0] if isinstance(out, tuple) else out  # [B, S, H]
+
+        return hook
+
     def _keep_value(self, i):
         def hook(mod, args, out):
             self.values[i] = args[0]  # [B, S, heads * v_head_dim]
@@ -413,6 +446,7 @@ class Trainer:
             byte = byte.masked_fill(byte > 255, -100)
             readout = readout + F.cross_entropy(lo.reshape(-1, 256), byte)
         out = {"offset": offset / len(OFFSETS), "readout": readout / len(OFFSETS)}
+        out.update(self._column_losses(ids, w[:, COLUMN_HEAD]))
         want = induction >= 0
         a = self.heads[INDUCTION_LAYER][:, 0].gather(-1, induction.clamp_min(0)[..., None])
         ind = -torch.log(a.squeeze(-1).clamp_min(1e-6))
@@ -433,6 +467,26 @@ class Trainer:
             out["ind"] = out["copy"] = out["lm_copy"] = ind.sum() * 0.0
         out["index"] = self.index_loss(induction)
         return out
+
+    def _column_losses(self, ids: torch.Tensor, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The column head's even window (w: its weights [B, S, S]) and the two read-outs."""
+        S = ids.shape[1]
+        d = torch.arange(S)[:, None] - torch.arange(S)[None, :]
+        band = ((d >= 0) & (d < COLUMN_WINDOW)).float()  # [S, S]: the last COLUMN_WINDOW keys
+        logw = torch.log(w.clamp_min(1e-6))
+        window = -((logw * band).sum(-1) / band.sum(-1)).mean()
+        run, indent = column_targets(ids, COLUMN_WINDOW)
+        h0, h2 = self.outputs[OFFSET_LAYER], self.outputs[INDENT_LAYER]
+        n = COLUMN_WINDOW + 1
+        lo_run = self.columns["run"](h0).reshape(-1, n)
+        lo_ind = self.columns["indent"](h2).reshape(-1, n)
+        return {
+            "window": window,
+            "run": F.cross_entropy(lo_run, run.reshape(-1)),
+            "indent": F.cross_entropy(lo_ind, indent.reshape(-1), ignore_index=-100)
+            if (indent >= 0).any()
+            else lo_ind.sum() * 0.0,
+        }
 
     def index_loss(self, induction: torch.Tensor) -> torch.Tensor:
         """The indexers' supervision: the induction key first (INDUCTION_LAYER's), the
@@ -487,7 +541,7 @@ class Trainer:
     def freeze_model(self, on: bool) -> None:
         """Train only the indexers (on) or everything (off)."""
         ix = {id(p) for p in self.indexer_parameters()}
-        for m in (self.model, self.mtp, self.readout):
+        for m in (self.model, self.mtp, self.readout, self.columns):
             for p in m.parameters():
                 p.requires_grad_(not on or id(p) in ix)
 
@@ -499,7 +553,7 @@ class Trainer:
         return [p for i in self.indexers for p in self._layer(i).self_attn.indexer.parameters()]
 
     def parameters(self):
-        mods = (self.model, self.mtp, self.readout)
+        mods = (self.model, self.mtp, self.readout, self.columns)
         return [p for m in mods for p in m.parameters() if p.requires_grad]
 
     def param_groups(self) -> list[dict]:
@@ -672,6 +726,30 @@ def induction_targets(doc: bytes, src: list[int]) -> list[int]:
     return out
 
 
+def column_targets(ids: torch.Tensor, clip: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, S] -> (run, indent), each [B, S]: run[t] = how many spaces end at t (t included);
+    indent[t] = how many spaces open the line that t's newline or leading spaces belong to (on
+    those rows; -100 elsewhere, on the row's first line and where the spaces run past the row);
+    both clipped at clip."""
+    B, S = ids.shape
+    t = torch.arange(S).expand(B, S)
+    space, newline = ids == 32, ids == 10
+    last_other = torch.where(space, -1, t).cummax(1).values  # the last non-space at or before t
+    run = (t - last_other).clamp_max(clip)
+    # a line starts after a newline (or at the row's start): its leading spaces end at the first
+    # non-space at or after that start
+    nxt_other = torch.where(space, S, t).flip(1).cummin(1).values.flip(1)  # first non-space >= t
+    last_nl = torch.where(newline, t, -1).cummax(1).values  # the newline at or before t
+    start = last_nl + 1  # where t's line starts (t itself on a newline: the next line)
+    start = torch.where(newline, t + 1, start)
+    end = nxt_other.gather(1, start.clamp_max(S - 1)) if S else start
+    end = torch.where(start >= S, S, end)
+    lead = newline | (space & (last_other < start))  # the newline, or a leading space
+    ok = lead & (end < S) & (start > 0)  # a row opening mid-line: its start is not seen
+    indent = torch.where(ok, (end - start).clamp_max(clip), -100)
+    return run, indent
+
+
 def phase_of(step: int) -> Phase:
     for ph in PHASES:
         if step < ph.end:
@@ -716,6 +794,8 @@ def train(
         tr.model.load_state_dict(st["model"])
         tr.mtp.load_state_dict(st["mtp"])
         tr.readout.load_state_dict(st["readout"])
+        if "columns" in st:  # runs started before the column read-outs start them fresh
+            tr.columns.load_state_dict(st["columns"])
         opt.load_state_dict(st["opt"])
         step = st["step"]
         log.info("resumed at step %d", step)
@@ -772,6 +852,7 @@ def train(
                     "model": tr.model.state_dict(),
                     "mtp": tr.mtp.state_dict(),
                     "readout": tr.readout.state_dict(),
+                    "columns": tr.columns.state_dict(),
                     "opt": opt.state_dict(),
                     "step": step,
                 },
