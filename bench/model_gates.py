@@ -290,6 +290,37 @@ def verdicts(res: dict) -> dict:
     return v
 
 
+def summary(res: dict) -> str:
+    """One line per gate: the figure, the gate, pass or FAIL."""
+    v, lines = res["pass"], []
+
+    def line(name: str, figure: str, gate: str) -> None:
+        lines.append(f"{name:12} {figure:34} gate {gate:14} {'pass' if v[name] else 'FAIL'}")
+
+    if "api" in res:
+        a = res["api"]
+        c = a["code"]
+        line("code", f"{c['python_lines']}/{c['lines']} lines, spaces {c['longest_inner_spaces']}",
+             "python, < 4")  # fmt: skip
+        line("tools", f"{a['tools']['closed']}/{a['tools']['of']} closed", "19/21")
+        line("json_object", f"{a['json_object']['parsed']}/{a['json_object']['of']} parse", "9/10")
+        js = a["json_schema"]
+        line("json_schema", f"{js['validated']}/{js['of']} validate", "9/10")
+    if "needles" in res:
+        n = res["needles"]
+        found = [
+            f"{length}: {n[f'{length}_code_sparse_2stages']['found']}/3"
+            for length in sorted({int(k.split("_")[0]) for k in n if k[0].isdigit()})
+            if f"{length}_code_sparse_2stages" in n
+        ]
+        line("needles", ", ".join(found), "5/6 at gates")
+    if "mtp" in res:
+        m = res["mtp"]
+        fig = f"accept {m['greedy_mtp']['acceptance']}, {m['greedy_speedup']}x"
+        line("mtp", fig, ">= 0.75, > 1x")
+    return "\n".join(lines)
+
+
 def run(args) -> int:
     import torch
 
@@ -328,7 +359,7 @@ def run(args) -> int:
     res["pass"] = verdicts(res)
     text = json.dumps(res, indent=1)
     print(text)
-    print(json.dumps(res["pass"]))
+    print(summary(res))
     if args.output:
         Path(args.output).write_text(text + "\n")
     return 0
