@@ -150,7 +150,7 @@ def code_check(text: str) -> dict:
     inner = [m.group(0) for line in lines for m in re.finditer(r" {2,}", line.lstrip(" "))]
     # a line of spaces only indents nothing: the whole line is a run (the last may be an
     # indentation the budget cut short)
-    inner += [x for i, x in enumerate(lines) if x and not x.strip(" ")]
+    inner += [x for x in lines if x and not x.strip(" ")]
     if lines[-1] and not lines[-1].strip(" ") and len(lines[-1]) <= 16:
         inner.remove(lines[-1])
     longest = max((len(s) for s in inner), default=0)
