@@ -34,9 +34,31 @@ def _assert_sources(doc: cc.ChatDoc) -> None:
             assert s < t and doc.ids[s] == doc.ids[t]
 
 
+def _messages(text: str, schemas: dict) -> list[dict]:
+    """The chat after the tools' listing, read back as OpenAI messages: the user's, the
+    assistant's (its content and its calls, parsed by the server's reader) and the tools'."""
+    parts = re.split(r"<\|(user|assistant|observation)\|>\n", text)[1:]
+    out = []
+    for role, body in zip(parts[::2], parts[1::2]):
+        body = body[:-1] if body.endswith("\n") else body  # each turn ends with a newline
+        if role == "observation":
+            result = body.split("<tool_response>\n")[1].split("\n</tool_response>")[0]
+            out.append({"role": "tool", "content": result})
+        elif role == "assistant":
+            content, calls = parse_tool_calls(body, schemas)
+            calls = [
+                {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+                for c in calls
+            ]
+            out.append({"role": "assistant", "content": content, "tool_calls": calls})
+        else:
+            out.append({"role": "user", "content": body})
+    return out
+
+
 def test_tool_chats_render_as_the_server_does_and_every_call_parses_and_validates():
     rng = random.Random(0)
-    n_calls = n_replies = 0
+    n_calls = n_replies = n_rounds = 0
     for _ in range(N):
         doc = cc.ChatDoc()
         cc.tool_chat(rng, WORDS, doc)
@@ -45,24 +67,44 @@ def test_tool_chats_render_as_the_server_does_and_every_call_parses_and_validate
         tools = json.loads(
             "[" + text.split("<tools>\n")[1].split("\n</tools>")[0].replace("\n", ",") + "]"
         )
-        user = text.split("<|user|>\n")[1].split("\n<|assistant|>\n")[0]
-        prompt = simple_chat([{"role": "user", "content": user}], tools)
-        assert text.startswith(prompt)  # the server's rendering of the same request
-        turn = text[len(prompt) :].split("\n<|observation|>")[0]
         schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
-        content, calls = parse_tool_calls(turn, schemas)
-        assert calls and "<tool_call>" not in content, turn
-        for c in calls:
-            args = json.loads(c["function"]["arguments"])
-            jsonschema.validate(args, schemas[c["function"]["name"]])
-            # the corpus writes a call byte for byte as the server's format does
-            assert glm_call({"name": c["function"]["name"], "arguments": args}) in turn
-            n_calls += 1
-        if "<|observation|>" in text:
-            n_replies += 1
-            result = text.split("<tool_response>\n")[1].split("\n</tool_response>")[0]
-            json.loads(result)
-    assert n_calls >= N and 0.2 * N < n_replies < 0.6 * N
+        messages = _messages(text, schemas)
+        # the server renders the same chat up to the last assistant turn, byte for byte
+        prompt = simple_chat(messages[:-1], tools)
+        assert text.startswith(prompt), (prompt, text)
+        assert simple_chat(messages, tools, add_generation_prompt=False) == text + "\n"
+        n_rounds += sum(m["role"] == "user" for m in messages)
+        for m in messages:
+            if m["role"] == "tool":
+                n_replies += 1
+                json.loads(m["content"])
+            if m["role"] != "assistant" or not m["tool_calls"]:
+                continue
+            assert "<tool_call>" not in m["content"]
+            for c in m["tool_calls"]:
+                jsonschema.validate(c["arguments"], schemas[c["name"]])
+                assert glm_call(c) in text  # byte for byte as the server's format writes it
+                n_calls += 1
+    assert n_calls >= n_rounds > 1.5 * N and 0.5 * N < n_replies < n_rounds
+
+
+def test_the_assistants_ids_are_marked_and_no_others():
+    """Every assistant turn (from after its role tag to <eos> or the next role tag) is marked
+    `reply`, and nothing the user, the system or a tool wrote is."""
+    rng = random.Random(3)
+    for make in (cc.tool_chat, cc.json_chat):
+        for _ in range(100):
+            doc = cc.ChatDoc()
+            make(rng, WORDS, doc)
+            text = bytes(i if i < 256 else 0 for i in doc.ids)
+            want = [False] * len(text)
+            for m in re.finditer(rb"<\|assistant\|>\n", text):
+                end = len(text)
+                for tag in (b"\n<|user|>", b"<tool_response>"):
+                    k = text.find(tag, m.end())
+                    end = min(end, k if k >= 0 else end)
+                want[m.end() : end] = [True] * (end - m.end())
+            assert doc.reply == want, text
 
 
 def test_json_replies_and_documents_parse():
@@ -83,8 +125,9 @@ def test_chat_rows_have_the_length_asked_and_their_sources_hold():
     rng = random.Random(2)
     code = b"def f(x):\n    return x\n\n" * 400
     for n in (512, 2048):
-        ids, src = cc.chat_row(rng, WORDS, n, code)
-        assert len(ids) == len(src) == n and (n < 2048 or cc.EOS in ids)
+        ids, src, reply = cc.chat_row(rng, WORDS, n, code)
+        assert len(ids) == len(src) == len(reply) == n and (n < 2048 or cc.EOS in ids)
+        assert any(reply) and not all(reply)
         for t, s in enumerate(src):
             assert s < 0 or ids[s] == ids[t]
 
@@ -100,10 +143,17 @@ def test_a_training_step_takes_rows_with_eos():
         rng, doc = random.Random(i), cc.ChatDoc()
         while len(doc.ids) < 96:  # short JSON chats: each ends with <eos>
             cc.json_chat(rng, WORDS, doc)
-        rows.append((doc.ids[:96], doc.src[:96]))
+        rows.append((doc.ids[:96], doc.src[:96], doc.reply[:96]))
     ids = torch.tensor([r[0] for r in rows])
     induction = torch.tensor([td.induction_targets(r[0], r[1]) for r in rows])
+    reply = torch.tensor([r[2] for r in rows])
     assert (ids == cc.EOS).any()
     ls = tr.losses(ids)
     ls.update(tr.attention_supervision(ids, induction))
+    ls["reply"] = tr.reply_loss(ids, reply)
     assert all(torch.isfinite(v) for v in ls.values()), ls
+    # the reply loss is the LM loss over the assistant's ids alone, written out
+    lp = torch.log_softmax(tr.logits[:, :-1].float(), -1)
+    nll = -lp.gather(-1, ids[:, 1:, None])[..., 0]
+    assert torch.allclose(ls["reply"], nll[reply[:, 1:]].mean(), rtol=1e-5)
+    assert float(tr.reply_loss(ids, torch.zeros_like(reply))) == 0.0

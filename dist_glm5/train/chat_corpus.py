@@ -149,12 +149,15 @@ def rand_function(rng: random.Random, w: Words) -> dict:
 
 # ---- documents ---------------------------------------------------------------------------------
 class ChatDoc:
-    """Token ids (utf-8 bytes and <eos>) and, per id, the earlier position it repeats (-1: none),
-    as corpus.Doc keeps them for bytes."""
+    """Token ids (utf-8 bytes and <eos>), per id the earlier position it repeats (-1: none), as
+    corpus.Doc keeps them for bytes, and whether it is the assistant's (`replying` while its turn
+    is written: the trainer weighs those ids up)."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
         self.src: list[int] = []
+        self.reply: list[bool] = []
+        self.replying = False
 
     def add(self, text: str | bytes, src: int = -1) -> int:
         """Append text (a repeat of the ids at src.. when src >= 0); returns where it starts."""
@@ -162,11 +165,20 @@ class ChatDoc:
         at = len(self.ids)
         self.ids += b
         self.src += [src + i if src >= 0 else -1 for i in range(len(b))]
+        self.reply += [self.replying] * len(b)
         return at
 
+    def turn(self) -> None:
+        """The assistant's turn starts here (after its role tag)."""
+        self.add("\n<|assistant|>\n")
+        self.replying = True
+
     def eos(self) -> None:
+        """The assistant's turn (and the document) ends."""
         self.ids.append(EOS)
         self.src.append(-1)
+        self.reply.append(self.replying)
+        self.replying = False
 
 
 def _pairs_text(rng: random.Random, args: dict) -> list[tuple[str, str]]:
@@ -279,36 +291,53 @@ def _json_object(doc: ChatDoc, obj: dict, src: dict[str, int] | None = None) -> 
 
 
 def tool_chat(rng: random.Random, w: Words, doc: ChatDoc) -> None:
-    """Tools listed, a request, the call(s) and <eos>; sometimes the tool's result and a reply."""
+    """Tools listed, then one to three rounds of a request and the call(s); a round goes on with
+    the tool's result and a reply that quotes it; the last ends with <eos>. More rounds put more
+    calls in a row than one listing of tools per call would (the listing is most of the bytes)."""
     tools = [rand_function(rng, w) for _ in range(rng.choice([1] * 6 + [2] * 3 + [3]))]
     names = {t["function"]["name"] for t in tools}
     if len(names) < len(tools):
         tools = tools[:1]
-    fn = rng.choice(tools)["function"]
-    args = rand_value(rng, w, fn["parameters"])
-    doc.add(simple_chat([], tools, add_generation_prompt=False) + "<|user|>\n")
-    at = _request(rng, doc, fn, args, say_values=rng.random() < 0.8)
-    doc.add("\n<|assistant|>\n")
-    if rng.random() < 0.2:  # a few words first, as chat models often do
-        doc.add(rng.choice(["Sure.", "OK.", f"Calling {fn['name']}."]))
-    _call_text(doc, {"name": fn["name"], "arguments": args}, at)
-    if rng.random() < 0.1:  # a second call of the same function
-        _call_text(doc, {"name": fn["name"], "arguments": rand_value(rng, w, fn["parameters"])}, {})
-    if rng.random() < 0.6:
-        doc.eos()
-        return
-    # the result comes back as an observation; the reply quotes a value of it
+    doc.add(simple_chat([], tools, add_generation_prompt=False))
+    rounds = rng.choice([1, 1, 2, 2, 3])
+    for r in range(rounds):
+        fn = rng.choice(tools)["function"]
+        args = rand_value(rng, w, fn["parameters"])
+        doc.add(("\n" if r else "") + "<|user|>\n")
+        at = _request(rng, doc, fn, args, say_values=rng.random() < 0.8)
+        doc.turn()
+        if rng.random() < 0.2:  # a few words first, as chat models often do
+            doc.add(rng.choice(["Sure.", "OK.", f"Calling {fn['name']}."]))
+        _call_text(doc, {"name": fn["name"], "arguments": args}, at)
+        if rng.random() < 0.1:  # a second call of the same function
+            again = rand_value(rng, w, fn["parameters"])
+            _call_text(doc, {"name": fn["name"], "arguments": again}, {})
+        last = r == rounds - 1
+        if last and rng.random() < 0.6:
+            doc.eos()
+            return
+        _observe_and_reply(rng, w, doc)
+        if last:
+            doc.eos()
+            return
+        doc.replying = False
+
+
+def _observe_and_reply(rng: random.Random, w: Words, doc: ChatDoc) -> None:
+    """The tool's result as an observation, then the assistant's reply quoting a value of it."""
     result = {w.word(rng): rand_value(rng, w, {"type": rng.choice(["string", "integer"])})}
     result.update({w.word(rng): rand_value(rng, w, rand_schema(rng, w, 1)) for _ in range(2)})
-    doc.add("\n<|observation|>\n<tool_response>\n")
+    doc.add("\n<|observation|>\n")  # the assistant's: it ends its turn with the call
+    doc.replying = False
+    doc.add("<tool_response>\n")
     res_at = _json_object(doc, result)
-    doc.add("\n</tool_response>\n<|assistant|>\n")
+    doc.add("\n</tool_response>")
+    doc.turn()
     k = next(iter(result))
     v = json.dumps(result[k], separators=COMPACT)
     doc.add(rng.choice([f"The {k} is ", f"{k.capitalize()}: ", "Done, "]))
     doc.add(v, res_at[k])
     doc.add(".")
-    doc.eos()
 
 
 def json_chat(rng: random.Random, w: Words, doc: ChatDoc) -> None:
@@ -348,7 +377,7 @@ def json_chat(rng: random.Random, w: Words, doc: ChatDoc) -> None:
         for i, (k, v) in enumerate(obj.items()):
             doc.add((", " if i else "") + f"{k} ")
             at[k] = doc.add(json.dumps(v, separators=COMPACT))
-    doc.add("\n<|assistant|>\n")
+    doc.turn()
     _json_object(doc, obj, at)
     doc.eos()
 
@@ -364,12 +393,12 @@ def text_chat(rng: random.Random, w: Words, doc: ChatDoc, code: bytes) -> None:
         snippet = code[a + 1 : (b if 0 < b < a + 600 else a + 400)]
         name = snippet.split(b"(")[0][4:].decode("utf-8", "ignore") if snippet else "it"
         doc.add(rng.choice([f"Write {name} in Python.", f"Show me {name}.", "Some code please."]))
-        doc.add("\n<|assistant|>\n")
+        doc.turn()
         doc.add(snippet)
     else:
         x, y = w.word(rng), rng.choice(NAMES)
         doc.add(rng.choice([f"What is {x}?", f"Where is {y}?", f"Say hello to {y}.", "Hi!"]))
-        doc.add("\n<|assistant|>\n")
+        doc.turn()
         doc.add(rng.choice([f"{x.capitalize()} is a name in Python code.", f"Hello, {y}!", "Hi."]))
     doc.eos()
 
@@ -390,8 +419,10 @@ def json_text(rng: random.Random, w: Words, doc: ChatDoc) -> None:
 KINDS = (("tool", 0.5), ("json_chat", 0.25), ("text", 0.1), ("json", 0.15))
 
 
-def chat_row(rng: random.Random, w: Words, n: int, code: bytes) -> tuple[list[int], list[int]]:
-    """(ids, source map) of n tokens of packed chats and JSON documents."""
+def chat_row(
+    rng: random.Random, w: Words, n: int, code: bytes
+) -> tuple[list[int], list[int], list[bool]]:
+    """(ids, source map, the assistant's ids) of n tokens of packed chats and JSON documents."""
     doc = ChatDoc()
     while len(doc.ids) < n:
         kind = rng.choices([k for k, _ in KINDS], [p for _, p in KINDS])[0]
@@ -404,4 +435,4 @@ def chat_row(rng: random.Random, w: Words, n: int, code: bytes) -> tuple[list[in
         else:
             json_text(rng, w, doc)
         doc.add("\n")
-    return doc.ids[:n], doc.src[:n]
+    return doc.ids[:n], doc.src[:n], doc.reply[:n]

@@ -23,6 +23,8 @@ trained with transformers' GlmMoeDsaForCausalLM plus an MTP block built from its
   LM loss on those rows counts twice; the indexer of that layer is told to rank that key first
   (its KL alone never selected it). All of it is a loss: the exported model is the plain
   architecture.
+- Chat rows (chat_corpus.py): the assistant's ids (calls, JSON replies, answers, <eos>) count
+  1 + REPLY_WEIGHT times in the LM loss.
 - Columns: one more head of layer 0 attends evenly over the last 16 bytes, and training-only
   read-outs name the run of spaces ending at each byte (from layer 0's output) and the indentation
   of the line a newline or leading space opens (from layer 2's output): without them greedy code
@@ -142,6 +144,11 @@ COLUMN_HEAD, COLUMN_WINDOW, INDENT_LAYER = len(OFFSETS), 16, 2
 FORCED_BACK = sorted(set(OFFSETS) | set(range(1, COLUMN_WINDOW)))
 INDUCTION_LR = 4.0  # x the base rate for the induction layer's attention (its slow bilinear start)
 BIAS_RATE = 1e-3
+# The assistant's ids of chat rows (calls, JSON replies, answers, <eos>) count 1 + REPLY_WEIGHT
+# times in the LM loss: at step 2,025 of the first plain-English run the model gave the first
+# byte of a call's value, and the "<" that closes it, about 1% (it had read ~2,000 calls: in a
+# tool chat the tools' listing is most of the bytes).
+REPLY_WEIGHT = 2.0
 
 
 @dataclass(frozen=True)
@@ -488,6 +495,14 @@ class Trainer:
             else lo_ind.sum() * 0.0,
         }
 
+    def reply_loss(self, ids: torch.Tensor, reply: torch.Tensor) -> torch.Tensor:
+        """The LM loss again on the assistant's ids of chat rows (reply [B, S] bool: whether ids
+        [B, S] is the assistant's), from the logits of the last `losses` call; 0 without any."""
+        want = reply[:, 1:]
+        if not want.any():
+            return torch.zeros(())
+        return F.cross_entropy(self.logits[:, :-1][want], ids[:, 1:][want])
+
     def index_loss(self, induction: torch.Tensor) -> torch.Tensor:
         """The indexers' supervision: the induction key first (INDUCTION_LAYER's), the
         neighbours OFFSETS back first (every full indexer's)."""
@@ -681,9 +696,9 @@ class Data:
         start = rng.randrange(0, len(self.text) - n)
         return self.text[start : start + n]
 
-    def row(self, rng: random.Random, n: int, mix: str) -> tuple[list[int], list[int]]:
+    def row(self, rng: random.Random, n: int, mix: str) -> tuple[list[int], list[int], list[bool]]:
         """(token ids, induction target per byte: the key head 0 of INDUCTION_LAYER should read, -1
-        where the byte is not inside a repeat)."""
+        where the byte is not inside a repeat, whether the id is an assistant's (chat rows))."""
         f, u = MIXES[mix], rng.random()
         src = None
         if u < f["needle"]:
@@ -699,19 +714,19 @@ class Data:
         elif u < f["needle"] + f["copy"] + f["repeat"]:
             doc, src = self.corpus.repeat_training_doc(rng, self.window(rng, n), n)
         elif u < f["needle"] + f["copy"] + f["repeat"] + f["chat"]:
-            ids, src = self.chat.chat_row(rng, self.words, n, self.text)  # ids: <eos> in them
-            return ids, induction_targets(ids, src)
+            ids, src, reply = self.chat.chat_row(rng, self.words, n, self.text)  # <eos> in ids
+            return ids, induction_targets(ids, src), reply
         else:
             doc = self.window(rng, n)
         doc = (doc + b"\n" * n)[:n]
         src = (list(src or []) + [-1] * n)[:n]
-        return list(doc), induction_targets(doc, src)
+        return list(doc), induction_targets(doc, src), [False] * n
 
     def batch(self, step: int, seq: int, batch: int, mix: str = "base"):
-        """(ids [batch, seq], induction targets [batch, seq])."""
+        """(ids [batch, seq], induction targets [batch, seq], assistant's ids [batch, seq])."""
         rng = random.Random(self.seed * 1_000_003 + step)
         rows = [self.row(rng, seq, mix) for _ in range(batch)]
-        return torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
+        return tuple(torch.tensor([r[i] for r in rows]) for i in range(3))
 
 
 def induction_targets(doc: bytes, src: list[int]) -> list[int]:
@@ -818,7 +833,7 @@ def train(
         for g in opt.param_groups:
             const = g["const"] or indexers_only
             g["lr"] = INDEXER_LR if const else g["lr_mult"] * lr_at(step, model_steps, lr)
-        ids, induction = data.batch(step, seq, batch, ph.mix)
+        ids, induction, reply = data.batch(step, seq, batch, ph.mix)
         tr.rows_gen.manual_seed(seed * 1_000_003 + step)
         tr.model.train()
         ls = tr.losses(ids, induction if sparse and not indexers_only else None)
@@ -827,7 +842,9 @@ def train(
             loss = ls["kl"] + ls["index"]
         else:
             ls.update(tr.attention_supervision(ids, induction))
+            ls["reply"] = tr.reply_loss(ids, reply)
             loss = ls["lm"] + MTP_WEIGHT * ls["mtp"] + ls["kl"] + sum(ls[k] for k in SUPERVISION)
+            loss = loss + REPLY_WEIGHT * ls["reply"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model_params, 1.0)
