@@ -98,7 +98,7 @@ def test_index_supervision_reaches_only_the_indexers():
     tr.losses(ids, induction)
     tr.attention_supervision(ids, induction)["index"].backward()
     ix = {id(p) for p in tr.indexer_parameters()}
-    named = [(n, p) for m in (tr.model, tr.mtp, tr.readout) for n, p in m.named_parameters()]
+    named = [(n, p) for m in tr.modules() for n, p in m.named_parameters()]
     assert all(p.grad is None or not p.grad.any() for n, p in named if id(p) not in ix)
     assert any(p.grad is not None and p.grad.any() for n, p in named if id(p) in ix)
 
@@ -111,7 +111,7 @@ def test_indexers_phase_trains_only_the_indexers():
     ls = tr.losses(ids)
     (ls["kl"] + tr.index_loss(force)).backward()
     ix = {id(p) for p in tr.indexer_parameters()}
-    named = [(n, p) for m in (tr.model, tr.mtp, tr.readout) for n, p in m.named_parameters()]
+    named = [(n, p) for m in tr.modules() for n, p in m.named_parameters()]
     assert all(p.grad is None for n, p in named if id(p) not in ix)
     assert all(p.grad is not None for n, p in named if id(p) in ix), "an indexer got no gradient"
     tr.freeze_model(False)

@@ -477,11 +477,13 @@ class Trainer:
 
     def _column_losses(self, ids: torch.Tensor, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """The column head's even window (w: its weights [B, S, S]) and the two read-outs."""
-        S = ids.shape[1]
-        d = torch.arange(S)[:, None] - torch.arange(S)[None, :]
-        band = ((d >= 0) & (d < COLUMN_WINDOW)).float()  # [S, S]: the last COLUMN_WINDOW keys
-        logw = torch.log(w.clamp_min(1e-6))
-        window = -((logw * band).sum(-1) / band.sum(-1)).mean()
+        B, S = ids.shape
+        keys = torch.arange(S)[:, None] - torch.arange(COLUMN_WINDOW)  # [S, W]: the last W keys
+        inside = keys >= 0
+        # gathered, not masked: [B, S, W], where an [S, S] band was 16M entries a 4K row
+        w_win = w.gather(-1, keys.clamp_min(0).expand(B, S, COLUMN_WINDOW))
+        logw = torch.log(w_win.clamp_min(1e-6))
+        window = -((logw * inside).sum(-1) / inside.sum(-1)).mean()
         run, indent = column_targets(ids, COLUMN_WINDOW)
         h0, h2 = self.outputs[OFFSET_LAYER], self.outputs[INDENT_LAYER]
         n = COLUMN_WINDOW + 1
@@ -553,10 +555,14 @@ class Trainer:
         for i in self.indexers:
             self._layer(i).self_attn.indexer.sparse = on
 
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        """Everything trained: the model, its MTP block and the training-only read-outs."""
+        return (self.model, self.mtp, self.readout, self.columns)
+
     def freeze_model(self, on: bool) -> None:
         """Train only the indexers (on) or everything (off)."""
         ix = {id(p) for p in self.indexer_parameters()}
-        for m in (self.model, self.mtp, self.readout, self.columns):
+        for m in self.modules():
             for p in m.parameters():
                 p.requires_grad_(not on or id(p) in ix)
 
@@ -568,8 +574,7 @@ class Trainer:
         return [p for i in self.indexers for p in self._layer(i).self_attn.indexer.parameters()]
 
     def parameters(self):
-        mods = (self.model, self.mtp, self.readout, self.columns)
-        return [p for m in mods for p in m.parameters() if p.requires_grad]
+        return [p for m in self.modules() for p in m.parameters() if p.requires_grad]
 
     def param_groups(self) -> list[dict]:
         """AdamW groups: decayed matrices, the rest, the induction layer's attention at
