@@ -200,8 +200,9 @@ def _plain_request(rng: random.Random, doc: ChatDoc, fn: dict, args: dict) -> di
         vals and isinstance(args[vals[0][0]], int) and not isinstance(args[vals[0][0]], bool)
     )
     u = rng.random()
-    if first_int and u < 0.3:
-        lead = f"{verb.capitalize()} "  # "Add 3 items ..."
+    counted = first_int and u < 0.3  # "Add 3 items ...": the verb, then the number
+    if counted:
+        lead = f"{verb.capitalize()} "
     elif u < 0.5:
         lead = rng.choice(
             [f"What is the {noun} ", "Who is ", f"Where is the {noun} ", f"How is the {noun} "]
@@ -224,10 +225,10 @@ def _plain_request(rng: random.Random, doc: ChatDoc, fn: dict, args: dict) -> di
     for i, (key, v) in enumerate(vals):
         if i:
             doc.add(rng.choice([" and ", ", ", " by ", " to ", " with ", " "]))
-        elif not lead.startswith(("Who", "Tell", "Make")) and lead != f"{verb.capitalize()} ":
+        elif not counted and not lead.startswith(("Who", "Tell", "Make")):
             doc.add(rng.choice(["in ", "for ", "to ", "of ", "at ", "", "with ", "about "]))
         at[key] = doc.add(v)
-        if i == 0 and first_int and lead == f"{verb.capitalize()} ":
+        if i == 0 and counted:
             doc.add(f" {noun}s")
     doc.add(rng.choice(["?", ".", "!", " please.", "", ", thanks.", " per day."]))
     return at
