@@ -148,11 +148,10 @@ def code_check(text: str) -> dict:
     lines = text.split("\n")
     pythonic = sum(bool(_PY_LINE.match(line)) for line in lines)
     inner = [m.group(0) for line in lines for m in re.finditer(r" {2,}", line.lstrip(" "))]
-    # a line of spaces only indents nothing: the whole line is a run (the last may be an
-    # indentation the budget cut short)
-    inner += [x for x in lines if x and not x.strip(" ")]
-    if lines[-1] and not lines[-1].strip(" ") and len(lines[-1]) <= 16:
-        inner.remove(lines[-1])
+    # a line of spaces only indents nothing: the whole line is a run (but the last line, up to
+    # 16 spaces, may be an indentation the budget cut short)
+    body = lines[:-1] if len(lines[-1]) <= 16 else lines
+    inner += [x for x in body if x and not x.strip(" ")]
     longest = max((len(s) for s in inner), default=0)
     words = re.findall(r"[A-Za-z_][A-Za-z0-9_]{2,}", text)
     return {
