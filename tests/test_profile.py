@@ -66,7 +66,16 @@ def test_profile_in_process(tmp_path, default_model_dir):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "ms decode step = experts" in r.stdout and "(slowest rank; mean" in r.stdout
+    assert "without the routed experts" in r.stdout
     check_profile(tmp_path, 1, 1)
+    res = json.loads((tmp_path / "anatomy.json").read_text())
+    roof, dec = res["roofline"]["0"], res["decode"]["0"]
+    # the part without the experts: the step less the slowest rank's experts, against the bytes
+    # the planner counts less the expert weights (written out: bound = bytes / bandwidth)
+    assert abs(roof["non_expert_ms"] - (dec["step"] - dec["experts_slowest"])) < 1e-9
+    assert 0 < roof["non_expert_bytes"] < roof["bytes"]
+    want = 1e3 * roof["non_expert_bytes"] / (res["bandwidth_gb_s"] * 1e9)
+    assert abs(roof["non_expert_bound_ms"] - want) < 1e-9 * max(1.0, want)
 
 
 def test_timeline_plot(tmp_path):
