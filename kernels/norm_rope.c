@@ -16,13 +16,12 @@
 #include <stdint.h>
 
 #include "common.h"
+#include "norm_rope.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 
-
-static inline float rb(float f) { return bf16_to_f32(f32_to_bf16(f)); } /* f rounded to bf16, as fp32 */
 
 /* x rows [R, D] (row stride ld elements, last dim contiguous), weight [D], out [R, D]
  * contiguous; all bf16 (is_bf16) or all fp32. Every row count takes this path (prefill's too, rows
@@ -33,31 +32,9 @@ void rms_norm_rows(const void *x, int64_t ld, int R, int D, int is_bf16, const v
                    void *out, int nthreads) {
     int nt = nthreads > 1 && (int64_t)R * D >= (1 << 16) ? nthreads : 1;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (int r = 0; r < R; r++) {
-        float acc[8] = {0}, ss;
-        int D8 = D & ~7;
-        if (is_bf16) {
-            const uint16_t *xr = (const uint16_t *)x + r * ld;
-            for (int d = 0; d < D8; d += 8)
-                for (int l = 0; l < 8; l++) acc[l] += bf16_to_f32(xr[d + l]) * bf16_to_f32(xr[d + l]);
-            ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-            for (int d = D8; d < D; d++) ss += bf16_to_f32(xr[d]) * bf16_to_f32(xr[d]);
-            float k = 1.0f / sqrtf(ss / D + eps);
-            uint16_t *o = (uint16_t *)out + (int64_t)r * D;
-            const uint16_t *wb = (const uint16_t *)w;
-            for (int d = 0; d < D; d++) o[d] = f32_to_bf16(bf16_to_f32(wb[d]) * rb(bf16_to_f32(xr[d]) * k));
-        } else {
-            const float *xr = (const float *)x + r * ld;
-            for (int d = 0; d < D8; d += 8)
-                for (int l = 0; l < 8; l++) acc[l] += xr[d + l] * xr[d + l];
-            ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-            for (int d = D8; d < D; d++) ss += xr[d] * xr[d];
-            float k = 1.0f / sqrtf(ss / D + eps);
-            float *o = (float *)out + (int64_t)r * D;
-            const float *wf = (const float *)w;
-            for (int d = 0; d < D; d++) o[d] = wf[d] * (xr[d] * k);
-        }
-    }
+    for (int r = 0; r < R; r++)
+        rms_row((const char *)x + (int64_t)r * ld * (is_bf16 ? 2 : 4), D, is_bf16, w, eps,
+                (char *)out + (int64_t)r * D * (is_bf16 ? 2 : 4));
 }
 
 /* x [T, M, dim] (strides st, sm elements; last dim contiguous), cos/sin fp32 [T, dim/2]
@@ -65,27 +42,10 @@ void rms_norm_rows(const void *x, int64_t ld, int R, int D, int is_bf16, const v
  * and odd elements (interleave) or the two halves. */
 void rope_rows(const void *x, int64_t st, int64_t sm, int T, int M, int dim, int is_bf16,
                const float *cos, const float *sin, int interleave, void *out) {
-    const int half = dim / 2;
-    for (int t = 0; t < T; t++) {
-        const float *ct = cos + (int64_t)t * half, *sn = sin + (int64_t)t * half;
-        for (int m = 0; m < M; m++) {
-            int64_t src = t * st + m * sm, dst = ((int64_t)t * M + m) * dim;
-            for (int i = 0; i < half; i++) {
-                int i1 = interleave ? 2 * i : i, i2 = interleave ? 2 * i + 1 : i + half;
-                if (is_bf16) {
-                    const uint16_t *xr = (const uint16_t *)x + src;
-                    float a = bf16_to_f32(xr[i1]), b = bf16_to_f32(xr[i2]), c = rb(ct[i]), s = rb(sn[i]);
-                    uint16_t *o = (uint16_t *)out + dst;
-                    o[i] = f32_to_bf16(rb(a * c) - rb(b * s));
-                    o[i + half] = f32_to_bf16(rb(b * c) + rb(a * s));
-                } else {
-                    const float *xr = (const float *)x + src;
-                    float a = xr[i1], b = xr[i2], c = ct[i], s = sn[i];
-                    float *o = (float *)out + dst;
-                    o[i] = a * c - b * s;
-                    o[i + half] = b * c + a * s;
-                }
-            }
-        }
-    }
+    const int half = dim / 2, es = is_bf16 ? 2 : 4;
+    for (int t = 0; t < T; t++)
+        for (int m = 0; m < M; m++)
+            rope_row((const char *)x + (t * st + m * sm) * es, dim, is_bf16,
+                     cos + (int64_t)t * half, sin + (int64_t)t * half, interleave,
+                     (char *)out + ((int64_t)t * M + m) * dim * es);
 }
