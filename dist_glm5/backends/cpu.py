@@ -1,8 +1,8 @@
 """CPU backend: the reference. Plain torch, gloo between processes, and per hot op the fastest
 exact method on this CPU: the packed MXFP4 kernel and the fused DSA selection (reference
 fallbacks when they cannot build), torch.topk selection, a decode step's few-row bf16 products,
-norms, ropes and sparse attention in C, and larger bf16 products in fp32 on CPUs without bf16
-GEMM instructions; the other ops are the references themselves."""
+norms, ropes, a layer's projections and sparse attention in C, and larger bf16 products in fp32
+on CPUs without bf16 GEMM instructions; the other ops are the references themselves."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from . import Backend
 
 @functools.cache
 def cpu_ops():
-    from dist_glm5.kernels import bf16_gemv, dsa_select, mla_decode, norm_rope
+    from dist_glm5.kernels import bf16_gemv, dsa_select, mla_decode, mla_project, norm_rope
     from dist_glm5.ops import attention, linear, reference_ops
     from dist_glm5.ops.experts import cpu_experts_ops
     from dist_glm5.ops.topk import select_topk_sorted
@@ -53,6 +53,9 @@ def cpu_ops():
         apply_rope=functools.partial(norm_rope.apply_rope, fallback=ref.apply_rope)
         if small
         else ref.apply_rope,
+        # a decode step's projections, norms, ropes and cache writes in one C call per layer
+        # (products, norms and ropes the C kernels above compute; needs them)
+        mla_project=mla_project.project if gemv and small and mla_project.available() else None,
     )
 
 

@@ -21,6 +21,7 @@ from dist_glm5.model.kv_cache import SMALL_CHUNK, ForwardBatch, PagedKVCache
 from dist_glm5.model.linear import Linear
 from dist_glm5.model.norm import RMSNorm
 from dist_glm5.ops import Ops, reference_ops
+from dist_glm5.ops.mla_project import IndexerWeights, ProjectWeights
 
 
 class Indexed(NamedTuple):
@@ -105,31 +106,77 @@ class MLA(nn.Module):
         layers."""
         T = x.shape[0]
         h = self.q_b_proj.out_features // (self.nope + self.rope)  # local heads (fewer under TP)
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(T, h, self.nope + self.rope)
-        q_nope, q_rot = (
-            q[..., : self.nope],
-            self.ops.apply_rope(q[..., self.nope :], cos, sin, self.interleave),
-        )
-        ckv = self.kv_a_proj_with_mqa(x)
-        latent = self.kv_a_layernorm(ckv[:, : self.kv_lora])
-        k_rot = self.ops.apply_rope(ckv[:, None, self.kv_lora :], cos, sin, self.interleave)[:, 0]
-        kv_store = cache.kv[self.layer]
-        kv_store[batch.write_slots] = torch.cat([latent, k_rot], dim=-1).to(kv_store.dtype)
-
-        index = None
-        if self.indexer is not None:
-            iq, ik, iw = self.indexer(x, q_resid, cos, sin)
-            idx_store = cache.index_k[self.layer]
-            idx_store[batch.write_slots] = ik.to(idx_store.dtype)
-            index = Indexed(iq, iw, idx_store)
-        elif prev_keep is None:
+        if self.indexer is None and prev_keep is None:
             raise ValueError(
                 f"layer {self.layer} is a 'shared' DSA layer but no previous full layer's "
                 "selection was passed"
             )
+        kv_store = cache.kv[self.layer]
+        idx_store = cache.index_k[self.layer] if self.indexer is not None else None
+        fused = self.ops.mla_project
+        got = None
+        if fused is not None:
+            got = fused(x, self.project_weights(), cos, sin, batch.write_slots, kv_store, idx_store)
+        if got is None:
+            got = self._project(x, batch.write_slots, cos, sin, kv_store, idx_store)
+        q, q_rot, iq, iw = got
+        q_nope = q[..., : self.nope]
+        index = Indexed(iq, iw, idx_store) if self.indexer is not None else None
         out, keeps = self.attend(AttnIn(q_nope, q_rot, kv_store, index, prev_keep), batch)
         return self.o_proj(out.reshape(T, h * self.v_dim)), keeps
+
+    def _project(self, x, slots, cos, sin, kv_store, idx_store):
+        """The projections composed from the ops (the reference of `Ops.mla_project`): x [T, H]
+        -> (q [T, h, nope + rope] unroped, q_rot [T, h, rope], iq, iw), the cache rows written."""
+        T = x.shape[0]
+        h = self.q_b_proj.out_features // (self.nope + self.rope)
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(T, h, self.nope + self.rope)
+        q_rot = self.ops.apply_rope(q[..., self.nope :], cos, sin, self.interleave)
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(ckv[:, : self.kv_lora])
+        k_rot = self.ops.apply_rope(ckv[:, None, self.kv_lora :], cos, sin, self.interleave)[:, 0]
+        kv_store[slots] = torch.cat([latent, k_rot], dim=-1).to(kv_store.dtype)
+        if self.indexer is None:
+            return q, q_rot, None, None
+        iq, ik, iw = self.indexer(x, q_resid, cos, sin)
+        idx_store[slots] = ik.to(idx_store.dtype)
+        return q, q_rot, iq, iw
+
+    def project_weights(self) -> ProjectWeights:
+        """This layer's weights as `Ops.mla_project` takes them (read at each call: tensor
+        parallelism replaces the projections after construction)."""
+        ix = self.indexer
+        iw = None
+        if ix is not None:
+            iw = IndexerWeights(
+                ix.n_heads,
+                ix.head_dim,
+                ix.interleave,
+                ix.wq_b.weight,
+                ix.wk.weight,
+                ix.k_norm.weight,
+                ix.k_norm.bias,
+                ix.k_norm.eps,
+                ix.weights_proj.weight,
+            )
+        return ProjectWeights(
+            self.q_b_proj.out_features // (self.nope + self.rope),
+            self.nope,
+            self.rope,
+            self.kv_lora,
+            self.interleave,
+            self.q_a_proj.weight,
+            self.q_a_proj.bias,
+            self.q_a_layernorm.weight,
+            self.q_a_layernorm.eps,
+            self.q_b_proj.weight,
+            self.kv_a_proj_with_mqa.weight,
+            self.kv_a_proj_with_mqa.bias,
+            self.kv_a_layernorm.weight,
+            self.kv_a_layernorm.eps,
+            iw,
+        )
 
     def _dense(self, a: AttnIn, batch: ForwardBatch) -> tuple[torch.Tensor, list]:
         """The reference: every group over all its keys, the selection applied as a mask.

@@ -57,6 +57,10 @@ class Ops:
     # [R, topk]), each sequence's picks padded to topk (kernels/dsa_select.select_many). None:
     # one select_rows (or the torch path) per sequence.
     select_many: "Callable | None" = None
+    # Optional: a decode step's MLA and indexer projections and cache writes in one call per
+    # layer (ops/mla_project.py has the contract; kernels/mla_project.project). None, or a call it
+    # declines: the model composes linear, rms_norm, apply_rope and the writes itself.
+    mla_project: "Callable | None" = None
 
 
 def reference_ops() -> Ops:
