@@ -1,9 +1,9 @@
 """A decode step's MLA and DSA-indexer projections in one C call per layer
 (kernels/mla_project.c): `project`, the op `Ops.mla_project` (its contract and weights in
-dist_glm5/ops/mla_project.py). It declines (returns None) what it does not take: other dtypes than
-bf16, more than ROWS rows, layouts that are not contiguous; the model then composes the ops
-itself, which is the reference this is tested against. `available()` is False when the kernel
-cannot build or DIST_GLM5_KERNELS=0.
+dist_glm5/ops/mla_project.py). It declines (returns None) what it does not take: other dtypes
+than bf16, more than ROWS rows (bf16_gemv's), layouts that are not contiguous; the model then
+composes the ops itself, which is the reference this is tested against. `available()` is False
+when the kernel cannot build or DIST_GLM5_KERNELS=0.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 from .build import Lazy
 
 SOURCE = Path(__file__).with_name("mla_project.c")
-ROWS = 16  # a decode step's rows; prefill's go to the composed ops (torch's threaded GEMMs)
+# the rows bf16_gemv takes (its tiles here give its bits); more go to the composed ops (torch GEMMs)
+ROWS = 32
 STORES = (torch.bfloat16, torch.float32)
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
