@@ -103,7 +103,7 @@ CLONES int mla_project(const struct mla_proj *p, int nthreads) {
     uint16_t *qa = malloc(sizeof(uint16_t) * ((size_t)T * QL + 1));
     uint16_t *qr = malloc(sizeof(uint16_t) * ((size_t)T * QL + 1));
     uint16_t *ckv = malloc(sizeof(uint16_t) * ((size_t)T * KV + 1));
-    uint16_t *row = malloc(sizeof(uint16_t) * ((size_t)KV + (ix ? p->i_dim : 0) + 1));
+    uint16_t *row = malloc(sizeof(uint16_t) * ((size_t)KV + 1)); /* one MLA cache row */
     uint16_t *ik = malloc(sizeof(uint16_t) * ((size_t)T * (ix ? p->i_dim : 1) + 1));
     uint16_t *iwb = malloc(sizeof(uint16_t) * ((size_t)T * (ix ? p->i_heads : 1) + 1));
     int rc = -1;
