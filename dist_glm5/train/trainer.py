@@ -29,6 +29,9 @@ trained with transformers' GlmMoeDsaForCausalLM plus an MTP block built from its
   read-outs name the run of spaces ending at each byte (from layer 0's output) and the indentation
   of the line a newline or leading space opens (from layer 2's output): without them greedy code
   wrote spaces forever (the model gave the next space the same probability after 4 or 12).
+- Structure (structure.py): training-only read-outs name, from layer 2's output, the innermost
+  open GLM tag and the JSON context (depth, bracket, inside a string) of every byte: calls closed
+  a value with the wrong tag and JSON ran on without them.
 - Sparse joint steps force the keys the heads are told to read into the full indexers'
   selection: every row's neighbours OFFSETS back, and on repeats the induction key (an indexer
   misses them while it learns, and a model trained on those misses learns not to copy); a last
@@ -68,6 +71,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from .structure import N_JSON, N_TAG, structure_targets
 
 log = logging.getLogger(__name__)
 TRAIN_CONFIG = {
@@ -123,7 +128,9 @@ SUPERVISION = (
     "window",
     "run",
     "indent",
-)  # attention_supervision's losses, weight 1
+    "tag",
+    "json",
+)  # attention_supervision's and structure_losses' losses, weight 1
 # Attention supervision (see Trainer.attention_supervision): heads h of OFFSET_LAYER read the byte
 # OFFSETS[h] back; head 0 of INDUCTION_LAYER reads the byte after the earlier occurrence of the
 # current context. INDUCTION_LAYER has a full indexer (its selection must find that byte).
@@ -140,6 +147,9 @@ OFFSET_LAYER, OFFSETS, INDUCTION_LAYER = 0, (1, 2, 3), 2
 # the run of spaces ending at each byte, and from INDENT_LAYER's output, on a line's newline and
 # leading spaces, how far that line is indented (both clipped at COLUMN_WINDOW).
 COLUMN_HEAD, COLUMN_WINDOW, INDENT_LAYER = len(OFFSETS), 16, 2
+# Structure (structure.py): training-only read-outs name, from INDENT_LAYER's output, the
+# innermost open GLM tag and the JSON context of each byte (calls closed a value with the wrong
+# tag, `<arg_value>4</arg_key>`, and objects ran on).
 # the keys every full indexer's selection keeps in sparse joint steps (forced_keys): how far back
 FORCED_BACK = sorted(set(OFFSETS) | set(range(1, COLUMN_WINDOW)))
 INDUCTION_LR = 4.0  # x the base rate for the induction layer's attention (its slow bilinear start)
@@ -386,6 +396,12 @@ class Trainer:
                 "indent": torch.nn.Linear(cfg.hidden_size, n_col),
             }
         )
+        self.structure = torch.nn.ModuleDict(
+            {
+                "tag": torch.nn.Linear(cfg.hidden_size, N_TAG),
+                "json": torch.nn.Linear(cfg.hidden_size, N_JSON),
+            }
+        )
         self.outputs: dict[int, torch.Tensor] = {}  # residual after OFFSET_LAYER, INDENT_LAYER
         for i in (OFFSET_LAYER, INDENT_LAYER):
             layers[i].register_forward_hook(self._keep_output(i))
@@ -497,6 +513,18 @@ class Trainer:
             else lo_ind.sum() * 0.0,
         }
 
+    def structure_losses(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The structure read-outs (structure.py) from INDENT_LAYER's output of the last
+        `losses` call: the innermost open tag and the JSON context after each id."""
+        rows = [structure_targets(r) for r in ids.tolist()]
+        tag = torch.tensor([r[0] for r in rows])
+        js = torch.tensor([r[1] for r in rows])
+        h = self.outputs[INDENT_LAYER]
+        return {
+            "tag": F.cross_entropy(self.structure["tag"](h).flatten(0, 1), tag.flatten()),
+            "json": F.cross_entropy(self.structure["json"](h).flatten(0, 1), js.flatten()),
+        }
+
     def reply_loss(self, ids: torch.Tensor, reply: torch.Tensor) -> torch.Tensor:
         """The LM loss again on the assistant's ids of chat rows (reply [B, S] bool: whether ids
         [B, S] is the assistant's), from the logits of the last `losses` call; 0 without any."""
@@ -557,7 +585,7 @@ class Trainer:
 
     def modules(self) -> tuple[torch.nn.Module, ...]:
         """Everything trained: the model, its MTP block and the training-only read-outs."""
-        return (self.model, self.mtp, self.readout, self.columns)
+        return (self.model, self.mtp, self.readout, self.columns, self.structure)
 
     def freeze_model(self, on: bool) -> None:
         """Train only the indexers (on) or everything (off)."""
@@ -816,6 +844,8 @@ def train(
         tr.readout.load_state_dict(st["readout"])
         if "columns" in st:  # runs started before the column read-outs start them fresh
             tr.columns.load_state_dict(st["columns"])
+        if "structure" in st:  # likewise the structure read-outs
+            tr.structure.load_state_dict(st["structure"])
         opt.load_state_dict(st["opt"])
         step = st["step"]
         log.info("resumed at step %d", step)
@@ -847,6 +877,7 @@ def train(
             loss = ls["kl"] + ls["index"]
         else:
             ls.update(tr.attention_supervision(ids, induction))
+            ls.update(tr.structure_losses(ids))
             ls["reply"] = tr.reply_loss(ids, reply)
             loss = ls["lm"] + MTP_WEIGHT * ls["mtp"] + ls["kl"] + sum(ls[k] for k in SUPERVISION)
             loss = loss + REPLY_WEIGHT * ls["reply"]
@@ -875,6 +906,7 @@ def train(
                     "mtp": tr.mtp.state_dict(),
                     "readout": tr.readout.state_dict(),
                     "columns": tr.columns.state_dict(),
+                    "structure": tr.structure.state_dict(),
                     "opt": opt.state_dict(),
                     "step": step,
                 },
