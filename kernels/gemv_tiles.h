@@ -98,8 +98,11 @@ static inline __attribute__((always_inline)) void rows(const float *xf, int m, i
 }
 
 /* Every weight row against every x row (xf: x widened to fp32), weight rows in quads over
- * threads; a product's bits depend on m, never on the thread count. */
-static inline __attribute__((always_inline)) void product(const float *xf, int m, int K,
+ * threads; a product's bits depend on m, never on the thread count. A function with its own
+ * target clones, not an inlined helper: OpenMP outlines a parallel region before inlining, so a
+ * region inside an always-inline helper compiled once, for the baseline ISA, whatever its
+ * includer's clone (every decode product ran in SSE2 code until this). */
+static CLONES void product(const float *xf, int m, int K,
                                                           const uint16_t *w, int N,
                                                           const uint16_t *b, uint16_t *y,
                                                           int nthreads) {

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import platform
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +33,22 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def test_kernels_build_here():
     # gcc is on every machine we test on: a kernel that does not build is a failure, not a skip
     assert norm_rope.available() and mla_decode.available()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="ISA clones are x86-64's")
+@pytest.mark.parametrize("source", ["bf16_gemv.c", "mla_project.c", "mla_decode.c"])
+def test_every_parallel_region_has_its_isa_clones(source):
+    """OpenMP outlines a parallel region before inlining: a region inside an always-inline
+    helper compiled once for the baseline ISA (the decode products ran in SSE2, 1.4-5x slower).
+    Every outlined region of these kernels must come in the AVX2+FMA clone too."""
+    from dist_glm5.kernels import build
+
+    lib = build.build(Path(build.__file__).with_name(source))
+    names = subprocess.run(["nm", str(lib)], capture_output=True, text=True, check=True).stdout
+    regions = set(re.findall(r"\b(\w+\._omp_fn\.\d+)", names))
+    assert regions, names
+    for r in regions:
+        assert f"{r}.arch_x86_64_v3" in names, f"{source}: {r} has no AVX2 clone"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
