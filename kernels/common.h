@@ -4,6 +4,7 @@
 #ifndef DIST_GLM5_COMMON_H
 #define DIST_GLM5_COMMON_H
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__x86_64__)
 /* x86-64-v3 = AVX2 + FMA (plain "avx2" would leave the products and sums unfused) */
@@ -30,6 +31,18 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stay
     v.f = f;
     if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
+
+static inline __attribute__((always_inline)) v8 widen(const uint16_t *p) { /* 8 bf16 -> 8 fp32 */
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    v8u u = __builtin_convertvector(h, v8u) << 16;
+    v8 f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 #endif

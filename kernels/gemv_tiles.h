@@ -9,21 +9,6 @@
 
 #include "common.h"
 
-typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
-typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
-
-
-
-static inline __attribute__((always_inline)) v8 widen(const uint16_t *p) {  /* 8 bf16 -> 8 fp32 */
-    v8h h;
-    memcpy(&h, p, sizeof h);
-    v8u u = __builtin_convertvector(h, v8u) << 16;
-    v8 f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-
 #define WT 4 /* weight rows per tile, at most */
 #define MT 4 /* x rows per tile, at most */
 
