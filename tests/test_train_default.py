@@ -177,3 +177,22 @@ def test_column_supervision_trains_the_window_head_and_its_read_outs():
     assert {"window", "run", "indent"} <= sup.keys()
     (sup["window"] + sup["run"] + sup["indent"]).backward()
     assert tr.columns["run"].weight.grad.any() and tr.columns["indent"].weight.grad.any()
+
+
+def test_mtp_distillation_is_the_kl_to_the_next_rows_detached_logits():
+    """mtp_distill against the KL written out per row in float64; the teacher gets no gradient."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 11, generator=g, requires_grad=True)
+    draft = torch.randn(2, 5, 11, generator=g, requires_grad=True)
+    got = td.mtp_distill(draft, logits)
+    want = 0.0
+    for b in range(2):
+        for i in range(5):
+            p = torch.softmax(logits[b, i + 1].double(), -1)
+            q = torch.softmax(draft[b, i].double(), -1)
+            want += float((p * (p.log() - q.log())).sum().detach())
+    assert abs(got.item() - want / 10) < 1e-5
+    got.backward()
+    assert logits.grad is None and draft.grad.abs().sum() > 0
+    ls = _trainer().losses(torch.randint(0, 256, (1, 40), generator=g))
+    assert ls["mtp_kl"].detach().item() >= 0

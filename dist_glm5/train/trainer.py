@@ -5,7 +5,8 @@ A small GLM-5-architecture model (byte-level, 4 layers, MLA + DSA indexer + MoE 
 trained with transformers' GlmMoeDsaForCausalLM plus an MTP block built from its pieces:
 - LM loss (next byte) + MTP_WEIGHT * MTP loss (the byte after next, DeepSeek-V3: the MTP block
   reads the main model's post-norm hidden state h_i and the embedding of t_{i+1}; the embedding of
-  the row at position 0 is zeroed, as our runtime and vLLM do).
+  the row at position 0 is zeroed, as our runtime and vLLM do), plus the main model's own
+  distribution for that byte (mtp_distill: a draft is accepted when it is the model's choice).
 - The DSA indexer as DeepSeek-V3.2 trains it: its input is detached (it learns only from its own
   KL loss, the model only from the LM loss); target p_t = the main attention's weights summed over
   heads (of its layer and the "shared" layers that reuse its selection) and L1-normalised; loss
@@ -118,6 +119,11 @@ TRAIN_CONFIG = {
     "dtype": "bfloat16",
 }
 MTP_WEIGHT = 0.3
+# The MTP block's draft is kept when it equals the main model's own next choice, not the data's:
+# besides the data's byte it learns the main model's distribution for that byte (KL to the
+# detached logits of the next row; EAGLE and Medusa-2 draft heads are trained on their verifier
+# the same way). Acceptance was 0.61-0.66 on held-out text with the data's byte alone.
+MTP_DISTILL = 1.0
 SUPERVISION = (
     "offset",
     "readout",
@@ -675,7 +681,7 @@ class Trainer:
         ml = self.model.lm_head(hm)
         mtp = F.cross_entropy(ml[:, :-1].reshape(-1, ml.shape[-1]), ids[:, 2:].reshape(-1))
         kl = self.indexer_kl()
-        return {"lm": lm, "mtp": mtp, "kl": kl}
+        return {"lm": lm, "mtp": mtp, "mtp_kl": mtp_distill(ml, logits), "kl": kl}
 
     @torch.no_grad()
     def balance(self) -> None:
@@ -760,6 +766,14 @@ class Data:
         rng = random.Random(self.seed * 1_000_003 + step)
         rows = [self.row(rng, seq, mix) for _ in range(batch)]
         return tuple(torch.tensor([r[i] for r in rows]) for i in range(3))
+
+
+def mtp_distill(draft: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(main || draft), mean over rows: draft [B, S-1, V] (row i drafts t_{i+2}), logits
+    [B, S, V] of the main model (row i + 1 predicts t_{i+2}), detached: the teacher."""
+    teacher = torch.log_softmax(logits[:, 1:].detach().float(), -1)
+    q = torch.log_softmax(draft.float(), -1)
+    return (teacher.exp() * (teacher - q)).sum(-1).mean()
 
 
 def induction_targets(doc: bytes, src: list[int]) -> list[int]:
@@ -879,7 +893,8 @@ def train(
             ls.update(tr.attention_supervision(ids, induction))
             ls.update(tr.structure_losses(ids))
             ls["reply"] = tr.reply_loss(ids, reply)
-            loss = ls["lm"] + MTP_WEIGHT * ls["mtp"] + ls["kl"] + sum(ls[k] for k in SUPERVISION)
+            mtp = ls["mtp"] + MTP_DISTILL * ls["mtp_kl"]
+            loss = ls["lm"] + MTP_WEIGHT * mtp + ls["kl"] + sum(ls[k] for k in SUPERVISION)
             loss = loss + REPLY_WEIGHT * ls["reply"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
