@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -108,7 +109,8 @@ REFERENCE = ExpertsOps("reference", experts_mxfp4_reference, experts_dense_refer
 def cpu_experts_ops(linear=F.linear) -> ExpertsOps:
     """The CPU backend's choice: the packed MXFP4 kernel (kernels/mxfp4_moe.c) when it builds
     here, else the reference, said once in the log; float experts multiply with `linear` (the
-    backend's product, ops/linear.py)."""
+    backend's product, ops/linear.py). DIST_GLM5_EXPERTS=w4a8 opts into the int8-activation
+    kernel (kernels/mxfp4_w4a8.py: faster, about 1% relative error per MoE layer)."""
     from dist_glm5.kernels import mxfp4_moe
 
     dense = (
@@ -124,4 +126,16 @@ def cpu_experts_ops(linear=F.linear) -> ExpertsOps:
         if dense is experts_dense_reference:
             return REFERENCE
         return ExpertsOps("reference", experts_mxfp4_reference, dense)
+    choice = os.environ.get("DIST_GLM5_EXPERTS", "exact")
+    if choice == "w4a8":  # opt-in: int8 activations, ~1% relative error (kernels/mxfp4_w4a8.py)
+        from dist_glm5.kernels import mxfp4_w4a8
+
+        if not mxfp4_w4a8.available():
+            raise RuntimeError(
+                "DIST_GLM5_EXPERTS=w4a8 but the w4a8 kernel does not build here (see the build "
+                "warning); unset it for the exact kernel"
+            )
+        return ExpertsOps("cpu-w4a8", mxfp4_w4a8.moe_mxfp4_w4a8, dense)
+    if choice != "exact":
+        raise ValueError(f"DIST_GLM5_EXPERTS={choice!r}: use 'exact' (the default) or 'w4a8'")
     return ExpertsOps("cpu-kernel", mxfp4_moe.moe_mxfp4, dense)
