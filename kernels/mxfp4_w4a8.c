@@ -36,6 +36,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "common.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -102,13 +104,6 @@ static void quantise(const float *x, int n, int8_t *q, float *d) {
         for (int i = 0; i < 32; i++)
             q[32 * b + qpos(i)] = (finite && db != 0.0f) ? (int8_t)lrintf(xb[i] / db) : 0;
     }
-}
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
 }
 
 /* ---------------------------------------------------------------- row kernels
