@@ -216,3 +216,41 @@ def test_the_shipped_model_gives_the_same_tokens_with_the_kernels():
             m = load_model(ensure_default_model(), ops=o, dsa=DSAConfig(mode="sparse"))
             toks.append([x.token_ids for x in generate(m, text, P)])
     assert toks[0] == toks[1]
+
+
+@pytest.mark.parametrize(
+    "E,H,k,groups,keep", [(64, 1024, 8, 1, 1), (256, 520, 8, 8, 4), (16, 36, 4, 4, 2)]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_router_kernel_picks_the_references_experts(E, H, k, groups, keep, dtype):
+    """kernels/router.c against model/router.route: the same experts per token (ordered by
+    choice, highest first), weights to fp32 rounding; more than ROWS tokens run the reference."""
+    from dist_glm5.kernels import router
+    from dist_glm5.model.router import route
+
+    g = torch.Generator().manual_seed(E + H)
+    W = torch.randn(E, H, generator=g) * 0.05
+    b = torch.randn(E, generator=g) * 0.1
+    for T in (1, 5, router.ROWS):
+        x = torch.randn(T, H, generator=g).to(dtype)
+        w, ids = router.route(x, W, b, k, groups, keep, True, 2.5, fallback=route)
+        w0, ids0 = route(x, W, b, k, groups, keep, True, 2.5)
+        order = ids0.long().sort(-1)
+        got = ids.long().sort(-1)
+        assert torch.equal(got.values, order.values)
+        torch.testing.assert_close(w.gather(1, got.indices), w0.gather(1, order.indices))
+        choice = torch.sigmoid(x.float() @ W.T) + b
+        picked = choice.gather(1, ids.long())
+        assert (picked[:, 1:] <= picked[:, :-1]).all()  # highest choice first
+    x = torch.randn(router.ROWS + 1, H, generator=g).to(dtype)
+    got = router.route(x, W, b, k, groups, keep, True, 2.5, fallback=route)
+    want = route(x, W, b, k, groups, keep, True, 2.5)
+    assert all(torch.equal(a, c) for a, c in zip(got, want))
+
+
+def test_router_kernel_breaks_ties_to_the_lower_expert():
+    from dist_glm5.kernels import router
+
+    W = torch.zeros(8, 16)  # every score sigmoid(0) = 0.5
+    w, ids = router.route(torch.ones(1, 16), W, torch.zeros(8), 3, 1, 1, True, 1.0)
+    assert ids.tolist() == [[0, 1, 2]] and torch.allclose(w, torch.full((1, 3), 1 / 3))

@@ -90,7 +90,7 @@ class MXFP4Experts(nn.Module):
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops, experts: range | None = None):
         super().__init__()
-        self.gate = Router(cfg)
+        self.gate = Router(cfg, ops.route)
         experts = range(cfg.n_routed_experts) if experts is None else experts
         cls = MXFP4Experts if cfg.experts_format == "mxfp4" else Experts
         self.experts = cls(cfg, ops, experts.start, len(experts))

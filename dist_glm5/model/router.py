@@ -9,6 +9,8 @@ dtype serving MoE kernels take.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -45,9 +47,11 @@ def route(
 
 
 class Router(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, route_op: Callable | None = None):
+        """route_op: the backend's router (Ops.route), `route` below its fallback; None: route."""
         super().__init__()
         self.cfg = cfg
+        self.route_op = route_op
         self.weight = nn.Parameter(
             torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32),
             requires_grad=False,
@@ -58,7 +62,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        return route(
+        args = (
             x,
             self.weight,
             self.e_score_correction_bias,
@@ -68,3 +72,6 @@ class Router(nn.Module):
             c.norm_topk_prob,
             c.routed_scaling_factor,
         )
+        if self.route_op is None:
+            return route(*args)
+        return self.route_op(*args, fallback=route)

@@ -61,6 +61,11 @@ class Ops:
     # layer (ops/mla_project.py has the contract; kernels/mla_project.project). None, or a call it
     # declines: the model composes linear, rms_norm, apply_rope and the writes itself.
     mla_project: "Callable | None" = None
+    # Optional: the MoE router of a few tokens in one call: (x, weight, bias, top_k, n_group,
+    # topk_group, norm_topk_prob, scaling, fallback) -> (weights [T, k] fp32, ids [T, k] int32),
+    # model/router.route's contract (that function is the fallback, passed by the caller, and the
+    # reference: kernels/router.py). None: the reference.
+    route: "Callable | None" = None
 
 
 def reference_ops() -> Ops:
