@@ -157,6 +157,18 @@ static void scan(const float *q, const float *w, int n, int H, int D, const void
                 if (m > 64) m = 64;
                 if (j0 + m > L) m = (int)(L - j0);
                 int64_t row0 = table[b] * bs + (j0 - b * bs);
+                /* the next 64 keys (this cache block's, or the next block's first) start from
+                 * cache: blocks sit anywhere in the store, where the hardware prefetcher does
+                 * not follow */
+                const int64_t jn = j0 + 64 < (b + 1) * bs ? j0 + 64 : (b + 1) * bs;
+                if (jn < L) {
+                    const int64_t bn = jn / bs, rn = table[bn] * bs + (jn - bn * bs);
+                    const int64_t mn = L - jn < 64 ? L - jn : 64;
+                    const char *p0 = (const char *)store + rn * D * (bf16 ? 2 : 4);
+                    const int64_t bytes = (bn == b || bs >= 64 ? mn : (bs < mn ? bs : mn)) * D *
+                                          (bf16 ? 2 : 4);
+                    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p0 + o, 0, 3);
+                }
                 load_keys(store, bf16, row0, m, D, kbT);
                 score_block(q, w, n, H, D, kbT, m, scores + j0, L, bmax ? bmax + j0 / 64 : NULL,
                             ldm);
