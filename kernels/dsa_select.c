@@ -140,12 +140,22 @@ CLONES static void load_keys(const void *store, int bf16, int64_t row0, int m, i
     }
 }
 
+/* How many keys the 64-key chunk starting at key j0 of cache block b holds: up to 64, the
+ * block's end (blocks of bs keys) and the sequence's end (L). */
+static inline int chunk_keys(int64_t j0, int64_t b, int bs, int64_t L) {
+    int64_t m = (b + 1) * bs - j0;
+    if (m > 64) m = 64;
+    if (j0 + m > L) m = L - j0;
+    return (int)m;
+}
+
 /* scores [n, L]: the indexer scan, blocks split over threads. */
 /* bmax (NULL, or [n, ceil(L / 64)] when bs is a multiple of 64): each 64-key block's maximum. */
 static void scan(const float *q, const float *w, int n, int H, int D, const void *store,
                  int bf16, const int64_t *table, int bs, int64_t L, float *scores, float *bmax,
                  int nthreads) {
     const int64_t ldm = (L + 63) / 64;
+    const int64_t key_bytes = (int64_t)D * (bf16 ? 2 : 4);
     int64_t nblk = (L + bs - 1) / bs;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -153,20 +163,16 @@ static void scan(const float *q, const float *w, int n, int H, int D, const void
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nblk; b++) {
             for (int64_t j0 = b * bs; j0 < (b + 1) * bs && j0 < L; j0 += 64) {
-                int m = (int)((b + 1) * bs - j0);
-                if (m > 64) m = 64;
-                if (j0 + m > L) m = (int)(L - j0);
+                const int m = chunk_keys(j0, b, bs, L);
                 int64_t row0 = table[b] * bs + (j0 - b * bs);
-                /* the next 64 keys (this cache block's, or the next block's first) start from
+                /* the next chunk (this cache block's, or the next block's first) starts from
                  * cache: blocks sit anywhere in the store, where the hardware prefetcher does
                  * not follow */
                 const int64_t jn = j0 + 64 < (b + 1) * bs ? j0 + 64 : (b + 1) * bs;
                 if (jn < L) {
-                    const int64_t bn = jn / bs, rn = table[bn] * bs + (jn - bn * bs);
-                    const int64_t mn = L - jn < 64 ? L - jn : 64;
-                    const char *p0 = (const char *)store + rn * D * (bf16 ? 2 : 4);
-                    const int64_t bytes = (bn == b || bs >= 64 ? mn : (bs < mn ? bs : mn)) * D *
-                                          (bf16 ? 2 : 4);
+                    const int64_t bn = jn / bs;
+                    const char *p0 = (const char *)store + (table[bn] * bs + jn - bn * bs) * key_bytes;
+                    const int64_t bytes = chunk_keys(jn, bn, bs, L) * key_bytes;
                     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p0 + o, 0, 3);
                 }
                 load_keys(store, bf16, row0, m, D, kbT);

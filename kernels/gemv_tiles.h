@@ -87,10 +87,8 @@ static inline __attribute__((always_inline)) void rows(const float *xf, int m, i
  * target clones, not an inlined helper: OpenMP outlines a parallel region before inlining, so a
  * region inside an always-inline helper compiled once, for the baseline ISA, whatever its
  * includer's clone (every decode product ran in SSE2 code until this). */
-static CLONES void product(const float *xf, int m, int K,
-                                                          const uint16_t *w, int N,
-                                                          const uint16_t *b, uint16_t *y,
-                                                          int nthreads) {
+static CLONES void product(const float *xf, int m, int K, const uint16_t *w, int N,
+                           const uint16_t *b, uint16_t *y, int nthreads) {
     int quads = (N + 3) / 4;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
     for (int q = 0; q < quads; q++) {

@@ -153,9 +153,6 @@ OFFSET_LAYER, OFFSETS, INDUCTION_LAYER = 0, (1, 2, 3), 2
 # the run of spaces ending at each byte, and from INDENT_LAYER's output, on a line's newline and
 # leading spaces, how far that line is indented (both clipped at COLUMN_WINDOW).
 COLUMN_HEAD, COLUMN_WINDOW, INDENT_LAYER = len(OFFSETS), 16, 2
-# Structure (structure.py): training-only read-outs name, from INDENT_LAYER's output, the
-# innermost open GLM tag and the JSON context of each byte (calls closed a value with the wrong
-# tag, `<arg_value>4</arg_key>`, and objects ran on).
 # the keys every full indexer's selection keeps in sparse joint steps (forced_keys): how far back
 FORCED_BACK = sorted(set(OFFSETS) | set(range(1, COLUMN_WINDOW)))
 INDUCTION_LR = 4.0  # x the base rate for the induction layer's attention (its slow bilinear start)
