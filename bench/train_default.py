@@ -25,13 +25,23 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--export", default=None, help="write the shipped checkpoint here when done (a directory)"
     )
+    p.add_argument(
+        "--export-only",
+        action="store_true",
+        help="export the run's last saved step to --export and stop (gate a run as it goes)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from dist_glm5.train.trainer import train
+    from dist_glm5.train.trainer import export_state, train
 
     logging.basicConfig(level=logging.INFO)
+    if args.export_only:
+        if not args.export:
+            raise SystemExit("--export-only needs --export DIR (where to write the checkpoint)")
+        export_state(Path(args.out), Path(args.export), args.seed)
+        return 0
     train(
         Path(args.out),
         steps=args.steps,

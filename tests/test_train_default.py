@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from dist_glm5.train import trainer as td
@@ -196,3 +197,19 @@ def test_mtp_distillation_is_the_kl_to_the_next_rows_detached_logits():
     assert logits.grad is None and draft.grad.abs().sum() > 0
     ls = _trainer().losses(torch.randint(0, 256, (1, 40), generator=g))
     assert ls["mtp_kl"].detach().item() >= 0
+
+
+def test_export_only_writes_the_weights_the_run_exported(tmp_path):
+    # `train-default --export-only` gates a run as it goes: the weights it writes from the run's
+    # state.pt are the ones the run itself exported at that step, byte for byte
+    from safetensors.torch import load_file
+
+    td.train(tmp_path / "run", steps=1, seed=3, export_to=tmp_path / "by-run")
+    assert td.export_state(tmp_path / "run", tmp_path / "by-state", seed=3) == 1
+    a = load_file(tmp_path / "by-run" / "model.safetensors")
+    b = load_file(tmp_path / "by-state" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    with pytest.raises(FileNotFoundError, match="train first"):
+        td.export_state(tmp_path / "nothing", tmp_path / "x", seed=3)

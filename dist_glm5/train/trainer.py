@@ -849,14 +849,7 @@ def train(
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
     state_path, step = out / "state.pt", 0
     if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
-        tr.model.load_state_dict(st["model"])
-        tr.mtp.load_state_dict(st["mtp"])
-        tr.readout.load_state_dict(st["readout"])
-        if "columns" in st:  # runs started before the column read-outs start them fresh
-            tr.columns.load_state_dict(st["columns"])
-        if "structure" in st:  # likewise the structure read-outs
-            tr.structure.load_state_dict(st["structure"])
+        st = load_state(tr, state_path)
         opt.load_state_dict(st["opt"])
         step = st["step"]
         log.info("resumed at step %d", step)
@@ -928,6 +921,35 @@ def train(
     bar.close()
     if export_to:
         export(tr, Path(export_to))
+
+
+def load_state(tr: Trainer, state_path: Path) -> dict:
+    """Load a run's saved weights into `tr`; returns the saved state (its "opt" and "step")."""
+    st = torch.load(state_path, weights_only=False)
+    tr.model.load_state_dict(st["model"])
+    tr.mtp.load_state_dict(st["mtp"])
+    tr.readout.load_state_dict(st["readout"])
+    if "columns" in st:  # runs started before the column read-outs start them fresh
+        tr.columns.load_state_dict(st["columns"])
+    if "structure" in st:  # likewise the structure read-outs
+        tr.structure.load_state_dict(st["structure"])
+    return st
+
+
+def export_state(out: Path, dst: Path, seed: int) -> int:
+    """Export a run's last saved step (`out`/state.pt) without training on: to gate a run as it
+    goes. Returns that step."""
+    state_path = Path(out) / "state.pt"
+    if not state_path.exists():
+        raise FileNotFoundError(
+            f"{state_path} does not exist: --export-only exports a run's saved state; "
+            "train first (the same command without --export-only)"
+        )
+    tr = Trainer(hf_config(), seed)
+    step = load_state(tr, state_path)["step"]
+    export(tr, Path(dst))
+    log.info("exported step %d of %s", step, out)
+    return step
 
 
 def export(tr: Trainer, dst: Path) -> None:
