@@ -61,64 +61,100 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
-def project(x, w, cos, sin, slots, kv_store, idx_store):
-    """ops/mla_project.py's contract (w: its ProjectWeights, read by field); None when not
-    taken."""
-    lib = _kernel.get()
-    T = x.shape[0]
+def weights_ok(w) -> bool:
+    """Whether the kernel takes these weights (ProjectWeights): bf16 and contiguous."""
     ix = w.indexer
-    ok = (
-        lib is not None
-        and x.dim() == 2
-        and 0 < T <= ROWS
-        and _bf16(x, w.q_a, w.q_a_bias, w.q_a_norm, w.q_b, w.kv_a, w.kv_a_bias, w.kv_a_norm)
+    return (
+        _bf16(w.q_a, w.q_a_bias, w.q_a_norm, w.q_b, w.kv_a, w.kv_a_bias, w.kv_a_norm)
         and w.rope <= 512
+        and (ix is None or _bf16(ix.wq_b, ix.wk, ix.k_norm_weight, ix.k_norm_bias, ix.weights_proj))
+    )
+
+
+def step_ok(x, w, cos, sin, slots, kv_store, idx_store) -> bool:
+    """Whether the kernel takes this step's inputs (the weights checked by weights_ok)."""
+    T = x.shape[0]
+    return (
+        x.dim() == 2
+        and 0 < T <= ROWS
+        and x.dtype == torch.bfloat16
+        and x.is_contiguous()
         and cos.dtype == sin.dtype == torch.float32
         and cos.is_contiguous()
         and sin.is_contiguous()
         and cos.shape == (T, w.rope // 2)
         and slots.dtype == torch.int64
         and slots.is_contiguous()
+        and slots.shape == (T,)
         and kv_store.dtype in STORES
         and kv_store.is_contiguous()
-        and slots.shape == (T,)
         and (
-            ix is None
+            w.indexer is None
             or (
-                _bf16(ix.wq_b, ix.wk, ix.k_norm_weight, ix.k_norm_bias, ix.weights_proj)
-                and idx_store is not None
+                idx_store is not None
                 and idx_store.dtype in STORES
                 and idx_store.is_contiguous()
                 and idx_store.shape[0] == kv_store.shape[0]
             )
         )
     )
-    if not ok:
-        return None
-    h, hd = w.heads, w.nope + w.rope
-    q = torch.empty(T, h, hd, dtype=torch.bfloat16)
-    q_rot = torch.empty(T, h, w.rope, dtype=torch.bfloat16)
-    a = _Args(
-        T, x.shape[1], w.q_a.shape[0], h, w.nope, w.rope, w.kv_lora, int(w.interleave),
-        x.data_ptr(), w.q_a.data_ptr(), _ptr(w.q_a_bias), w.q_a_norm.data_ptr(),
-        w.q_b.data_ptr(), w.kv_a.data_ptr(), _ptr(w.kv_a_bias), w.kv_a_norm.data_ptr(),
-        w.q_a_eps, w.kv_a_eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-        kv_store.shape[0], kv_store.data_ptr(), int(kv_store.dtype == torch.bfloat16),
-    )  # fmt: skip
-    a.q, a.q_rot = q.data_ptr(), q_rot.data_ptr()
-    iq = iw = None
+
+
+def prepare(w) -> _Args:
+    """The call's arguments that depend on the weights alone (w: ProjectWeights that weights_ok
+    takes), filled once; `run` fills a step's."""
+    a = _Args()
+    a.H, a.q_lora, a.heads = w.q_a.shape[1], w.q_a.shape[0], w.heads
+    a.nope, a.rope, a.kv_lora, a.interleave = w.nope, w.rope, w.kv_lora, int(w.interleave)
+    a.w_qa, a.b_qa, a.n_qa = w.q_a.data_ptr(), _ptr(w.q_a_bias), w.q_a_norm.data_ptr()
+    a.w_qb, a.w_kva = w.q_b.data_ptr(), w.kv_a.data_ptr()
+    a.b_kva, a.n_kva = _ptr(w.kv_a_bias), w.kv_a_norm.data_ptr()
+    a.eps_qa, a.eps_kva = w.q_a_eps, w.kv_a_eps
+    ix = w.indexer
     if ix is not None:
-        iq = torch.empty(T, ix.heads, ix.head_dim, dtype=torch.bfloat16)
-        iw = torch.empty(T, ix.heads, dtype=torch.float32)
         a.i_heads, a.i_dim, a.i_interleave = ix.heads, ix.head_dim, int(ix.interleave)
-        a.idx_bf16 = int(idx_store.dtype == torch.bfloat16)
         a.w_iq, a.w_ik, a.w_iw = ix.wq_b.data_ptr(), ix.wk.data_ptr(), ix.weights_proj.data_ptr()
         a.ln_w, a.ln_b = ix.k_norm_weight.data_ptr(), ix.k_norm_bias.data_ptr()
         a.eps_ln, a.iw_scale = ix.k_norm_eps, ix.heads**-0.5
+    return a
+
+
+def run(a: _Args, x, cos, sin, slots, kv_store, idx_store, threads: int):
+    """One step through prepared arguments `a` (inputs that step_ok takes) -> (q, q_rot, iq, iw)
+    as `project` returns them; the cache rows written. Fills a's step fields in place."""
+    lib = _kernel.get()
+    T, h = x.shape[0], a.heads
+    q = torch.empty(T, h, a.nope + a.rope, dtype=torch.bfloat16)
+    q_rot = torch.empty(T, h, a.rope, dtype=torch.bfloat16)
+    a.T, a.x, a.cos, a.sin, a.slots = (
+        T,
+        x.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+    )
+    a.n_slots, a.kv_store = kv_store.shape[0], kv_store.data_ptr()
+    a.kv_bf16 = int(kv_store.dtype == torch.bfloat16)
+    a.q, a.q_rot = q.data_ptr(), q_rot.data_ptr()
+    iq = iw = None
+    if a.i_heads:
+        iq = torch.empty(T, a.i_heads, a.i_dim, dtype=torch.bfloat16)
+        iw = torch.empty(T, a.i_heads, dtype=torch.float32)
+        a.idx_bf16 = int(idx_store.dtype == torch.bfloat16)
         a.idx_store, a.iq, a.iw = idx_store.data_ptr(), iq.data_ptr(), iw.data_ptr()
-    rc = lib.mla_project(ctypes.byref(a), torch.get_num_threads())
+    rc = lib.mla_project(ctypes.byref(a), threads)
     if rc == -3:
         raise IndexError(f"mla_project: a slot of {slots.tolist()} is outside the cache's rows")
     if rc != 0:
         raise MemoryError("mla_project: no memory for its scratch")
     return q, q_rot, iq, iw
+
+
+def project(x, w, cos, sin, slots, kv_store, idx_store):
+    """ops/mla_project.py's contract (w: its ProjectWeights, read by field); None when not
+    taken."""
+    if _kernel.get() is None or not step_ok(x, w, cos, sin, slots, kv_store, idx_store):
+        return None
+    if not weights_ok(w):
+        return None
+    return run(prepare(w), x, cos, sin, slots, kv_store, idx_store, torch.get_num_threads())

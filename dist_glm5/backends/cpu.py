@@ -14,7 +14,15 @@ from . import Backend
 
 @functools.cache
 def cpu_ops():
-    from dist_glm5.kernels import bf16_gemv, dsa_select, mla_decode, mla_project, norm_rope, router
+    from dist_glm5.kernels import (
+        bf16_gemv,
+        decode_plan,
+        dsa_select,
+        mla_decode,
+        mla_project,
+        norm_rope,
+        router,
+    )
     from dist_glm5.ops import attention, linear, reference_ops
     from dist_glm5.ops.experts import cpu_experts_ops
     from dist_glm5.ops.topk import select_topk_sorted
@@ -58,6 +66,9 @@ def cpu_ops():
         mla_project=mla_project.project if gemv and small and mla_project.available() else None,
         # a decode step's router in one C call (model/router.route, its fallback, beyond it)
         route=router.route if router.available() else None,
+        # a decode step's layers as these kernels in sequence, arguments prepared once (the
+        # modules run what it declines)
+        decode_plan=decode_plan.plan,
     )
 
 

@@ -94,6 +94,14 @@ class Glm5Model(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, ops) if head else None
         self.has_mtp = mtp
         self.rope = RopeTable(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
+        # the backend's planned decode step (Ops.decode_plan), made at the first forward: after
+        # loading and any tensor-parallel split; False: none for this model
+        self._plan = None
+        self.profiler = None  # obs/profiler.install's (the plan opens its spans)
+
+    def _apply(self, fn, recurse=True):
+        self._plan = None  # .to() and the like may move the weights the plan points at
+        return super()._apply(fn, recurse)
 
     # ---- what this model (stage) owns --------------------------------------------------
     @property
@@ -126,6 +134,13 @@ class Glm5Model(nn.Module):
         Returns the residual stream after the last owned layer (before the final norm) and the
         last DSA selection (for a following stage whose first layer is 'shared').
         """
+        if self.ops.decode_plan is not None:
+            if self._plan is None:
+                self._plan = self.ops.decode_plan(self) or False
+            if self._plan:
+                out = self._plan(x, batch, cache, keep)
+                if out is not None:
+                    return out
         if x.dtype in (torch.int64, torch.int32):
             x = self.embed(x.long())
         cos, sin = self.rope.lookup(batch.positions)

@@ -66,6 +66,11 @@ class Ops:
     # model/router.route's contract (that function is the fallback, passed by the caller, and the
     # reference: kernels/router.py). None: the reference.
     route: "Callable | None" = None
+    # Optional: a whole decode step of a model's layers, planned once: (model) -> a callable
+    # (x, batch, cache, keep) -> what the model's forward returns, or None for a step it does not
+    # take (kernels/decode_plan.py); the factory returns None for a model it cannot run. The
+    # layers' modules are its reference and run every step it declines. None: the modules.
+    decode_plan: "Callable | None" = None
 
 
 def reference_ops() -> Ops:

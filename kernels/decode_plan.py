@@ -1,0 +1,363 @@
+"""A decode step of a model's layers as its C kernels called in sequence, every argument that does
+not change between steps prepared once: `plan(model)`, the CPU backend's `Ops.decode_plan`.
+
+Why: on `bench decode`'s small model (batch 1, one thread) about 40% of a step was Python and torch
+dispatch around the kernels (perf: libpython 25%, libtorch 15%): per layer some 30 module calls,
+20 kernel wrappers re-checking weights that never change, a projection-weights tuple rebuilt,
+and their small allocations. Here a layer is about ten foreign calls and a few torch ops.
+
+The layers' modules stay the reference and run whatever the plan does not take: the same kernels
+with the same inputs, so the same bits (tests/test_decode_plan.py). `plan(model)` is None for a
+model it cannot run (not bf16, the dense reference attention, a kernel that does not build, an
+experts op without a kernel); a built plan returns None for a step it does not take (a prefill
+chunk, more than ROWS rows, hooks on a module (the profiler's), a tensor-parallel reduce, routes
+being recorded, a cache store of another dtype), and the modules run that step.
+One step at a time per model: the plan reuses its argument structs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from . import bf16_gemv, dsa_select, mla_decode, mla_project, mxfp4_moe, norm_rope, router
+
+BF16 = torch.bfloat16
+# rows a planned step takes at most: the router kernel's (the other kernels take more)
+ROWS = min(router.ROWS, bf16_gemv.ROWS, mla_project.ROWS)
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _is(fn, kernel) -> bool:
+    """Whether an op is `kernel` (bare or a functools.partial of it)."""
+    return fn is kernel or (isinstance(fn, functools.partial) and fn.func is kernel)
+
+
+def _bf16(*ts) -> bool:
+    return all(t is None or (t.dtype == BF16 and t.is_contiguous()) for t in ts)
+
+
+class _Linear:
+    """A bias-optional bf16 product y = x W^T (+ b) of a decode step's rows (bf16_gemv.linear)."""
+
+    def __init__(self, lin):
+        self.w, self.b = lin.weight, lin.bias
+        self.n, self.k = self.w.shape
+        self.pw, self.pb = self.w.data_ptr(), _ptr(self.b)
+
+    def __call__(self, lib, x: torch.Tensor, T: int, nt: int) -> torch.Tensor:
+        y = torch.empty(T, self.n, dtype=BF16)
+        if lib.bf16_gemv(x.data_ptr(), T, self.k, self.pw, self.n, self.pb, y.data_ptr(), nt):
+            raise MemoryError("bf16_gemv: no memory for the fp32 copy of x")
+        return y
+
+
+class _MLP:
+    """down(silu(gate(x)) * up(x)), as model/moe.MLP computes it."""
+
+    def __init__(self, mlp):
+        self.gate, self.up = _Linear(mlp.gate_proj), _Linear(mlp.up_proj)
+        self.down = _Linear(mlp.down_proj)
+
+    def __call__(self, lib, x, T, nt):
+        act = F.silu(self.gate(lib, x, T, nt)) * self.up(lib, x, T, nt)
+        return self.down(lib, act, T, nt)
+
+
+class _Layer:
+    """One decoder layer's prepared arguments."""
+
+    def __init__(self, layer, ops):
+        att, mlp = layer.self_attn, layer.mlp
+        self.module, self.i = layer, att.layer
+        self.watched = list(layer.modules())  # whose hooks make the modules run the step
+        # every tensor whose address is kept is kept too (a replaced weight stays alive: the
+        # model drops its plan when its weights move, Glm5Model._apply)
+        self.keep = [p for p in layer.parameters()] + [b for b in layer.buffers()]
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        self.norms = [(n.weight.data_ptr(), float(n.eps)) for n in norms]
+        # attention
+        w = att.project_weights()
+        self.proj_w = w
+        self.proj = mla_project.prepare(w)
+        self.heads, self.nope, self.rope, self.v = w.heads, att.nope, att.rope, att.v_dim
+        self.c, self.scale, self.topk = att.kv_lora, float(att.scale), att.topk
+        self.indexed = att.indexer is not None
+        self.i_scale = att.indexer.head_dim**-0.5 if self.indexed else 0.0
+        self.kv_b = att.kv_b_proj.weight
+        self.o = _Linear(att.o_proj)
+        # the MLP: a dense one, or the router + routed experts + shared expert
+        self.moe = hasattr(mlp, "gate")
+        if not self.moe:
+            self.mlp = _MLP(mlp)
+            return
+        g, cfg = mlp.gate, mlp.gate.cfg
+        self.route = (g.weight.data_ptr(), g.e_score_correction_bias.data_ptr(), g.weight.shape[0])
+        self.route_cfg = (cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                          int(cfg.norm_topk_prob), float(cfg.routed_scaling_factor))  # fmt: skip
+        ex = mlp.experts
+        self.lo, self.n_local = ex.first_expert, ex.num_local
+        self.mx = hasattr(ex, "w13_weight_scale")
+        if self.mx:
+            self.ex = [t.data_ptr() for t in (ex.w13_weight, ex.w13_weight_scale, ex.w2_weight,
+                                              ex.w2_weight_scale)]  # fmt: skip
+            self.inter = ex.w13_weight.shape[1] // 2
+        else:
+            self.ex = [ex.w13_weight.data_ptr(), ex.w2_weight.data_ptr()]
+            self.inter = ex.w2_weight.shape[2]
+        self.shared = _MLP(mlp.shared_experts) if mlp.shared_experts is not None else None
+
+    def hooked(self, profiled: bool) -> bool:
+        """Whether something outside watches or changes this layer's work (then the modules run
+        the step): a tensor-parallel reduce, a route recorder, forward hooks other than the
+        profiler's (the plan opens the profiler's spans itself)."""
+        m = self.module
+        if m.attn_reduce is not None or m.mlp_reduce is not None:
+            return True
+        if self.moe and m.mlp.recorder is not None:
+            return True
+        return not profiled and any(s._forward_hooks or s._forward_pre_hooks for s in self.watched)
+
+
+def _weights_ok(layer) -> bool:
+    """The static half of what the kernels take: bf16 contiguous weights everywhere."""
+    att, mlp = layer.self_attn, layer.mlp
+    lins = [att.o_proj]
+    if hasattr(mlp, "gate"):
+        if mlp.shared_experts is not None:
+            s = mlp.shared_experts
+            lins += [s.gate_proj, s.up_proj, s.down_proj]
+        ex = mlp.experts
+        if hasattr(ex, "w13_weight_scale"):
+            ok_ex = all(t.dtype == torch.uint8 and t.is_contiguous() for t in ex.buffers())
+        else:
+            ok_ex = _bf16(ex.w13_weight, ex.w2_weight)
+        g = mlp.gate
+        ok_route = all(t.dtype == torch.float32 and t.is_contiguous()
+                       for t in (g.weight, g.e_score_correction_bias))  # fmt: skip
+        if not (ok_ex and ok_route):
+            return False
+    else:
+        lins += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    return _bf16(
+        att.kv_b_proj.weight, *norms, *(x for lin in lins for x in (lin.weight, lin.bias))
+    ) and mla_project.weights_ok(att.project_weights())
+
+
+def plan(model):
+    """A DecodePlan of `model` (a Glm5Model), or None when its kernels cannot run it."""
+    ops = model.ops
+    libs = [k._kernel.get() for k in (bf16_gemv, dsa_select, mla_decode, mla_project, norm_rope,
+                                       router)]  # fmt: skip
+    if any(lib is None for lib in libs) or not model.dsa.sparse:
+        return None
+    # the kernels the modules' step calls, so that both give the same bits
+    if not (
+        _is(ops.linear, bf16_gemv.linear)
+        and _is(ops.rms_norm, norm_rope.rms_norm)
+        and _is(ops.select_many, dsa_select.select_many)
+        and _is(ops.absorbed_gathered, mla_decode.absorbed_gathered)
+        and _is(ops.mla_project, mla_project.project)
+        and _is(ops.route, router.route)
+    ):
+        return None
+    layers = [model.model.layers[str(i)] for i in model.layer_range]
+    if any(lay.self_attn.row_split is not None or not _weights_ok(lay) for lay in layers):
+        return None
+    for lay in layers:
+        if hasattr(lay.mlp, "gate"):
+            ex = lay.mlp.experts
+            mx = hasattr(ex, "w13_weight_scale")
+            op = ops.experts.mxfp4 if mx else ops.experts.dense
+            if not _is(op, mxfp4_moe.moe_mxfp4 if mx else bf16_gemv.experts):
+                return None  # another experts kernel (w4a8) or the reference: the modules' step
+            if mx and mxfp4_moe._kernel.get() is None:
+                return None
+    return DecodePlan(model, layers)
+
+
+class _NoSpans:
+    def begin(self, name: str) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+class DecodePlan:
+    def __init__(self, model, layers):
+        self.model = model
+        self.layers = [_Layer(lay, model.ops) for lay in layers]
+        g, d, m, p, n, r = (k._kernel.get() for k in (bf16_gemv, dsa_select, mla_decode,
+                                                       mla_project, norm_rope, router))  # fmt: skip
+        self.gemv, self.sel, self.dec, self.proj, self.norm, self.route = g, d, m, p, n, r
+        self.mx = mxfp4_moe._kernel.get()
+
+    def takes(self, x: torch.Tensor, batch, cache, keep) -> bool:
+        from dist_glm5.model.kv_cache import SMALL_CHUNK
+        from dist_glm5.model.mla import Selected
+
+        T = batch.num_tokens
+        profiled = getattr(self.model, "profiler", None) is not None
+        if not 0 < T <= ROWS or len(batch.groups) != 1:
+            return False
+        g = batch.groups[0]
+        if g.tok.shape[1] > SMALL_CHUNK or g.tok.numel() != T:  # decode rows, no padding
+            return False
+        if x.dtype not in (torch.int64, torch.int32, BF16):
+            return False
+        ws = batch.write_slots
+        if ws.dtype != torch.int64 or not ws.is_contiguous():
+            return False
+        if self.layers[0].indexed is False and not (keep and isinstance(keep[0], Selected)):
+            return False  # a shared first layer needs the previous stage's listed selection
+        for L in self.layers:
+            kv = cache.kv[L.i]
+            if kv.dtype != BF16 or not kv.is_contiguous():  # mla_decode's (q's dtype)
+                return False
+            if L.indexed:
+                ix = cache.index_k[L.i]
+                if ix.dtype not in mla_project.STORES or not ix.is_contiguous():
+                    return False
+            if L.hooked(profiled):
+                return False
+        return True
+
+    def __call__(self, x: torch.Tensor, batch, cache, keep=None):
+        """The step, or None when not taken (the caller runs the modules): x token ids [T] or
+        hidden [T, H] bf16 -> (hidden [T, H], the last selection per group), as the model's
+        forward returns them."""
+        if not self.takes(x, batch, cache, keep):
+            return None
+        model = self.model
+        if x.dtype in (torch.int64, torch.int32):
+            x = model.embed(x.long())
+        x = x.contiguous()
+        cos, sin = model.rope.lookup(batch.positions)
+        rope = self.layers[0].rope
+        if not all(
+            t.dtype == torch.float32 and t.is_contiguous() and t.shape == (x.shape[0], rope // 2)
+            for t in (cos, sin)
+        ):
+            return None  # the modules compose the projections then (mla_project.step_ok)
+        slots = batch.write_slots
+        T, H = x.shape
+        nt = torch.get_num_threads()
+        g = batch.groups[0]
+        rk = g.rows_keys
+        ident = bool(torch.equal(rk.tok, torch.arange(T)))
+        chosen = keep[0] if keep else None
+        self.spans = getattr(model, "profiler", None) or _NoSpans()
+        for L in self.layers:
+            x, chosen = self._layer(L, x, T, H, nt, cos, sin, slots, cache, rk, ident, chosen)
+        return x, [chosen]
+
+    def _norm(self, x, T, H, which, nt):
+        out = torch.empty(T, H, dtype=BF16)
+        w, eps = which
+        self.norm.rms_norm_rows(x.data_ptr(), H, T, H, 1, w, eps, out.data_ptr(), nt)
+        return out
+
+    def _layer(self, L: _Layer, x, T, H, nt, cos, sin, slots, cache, rk, ident, chosen):
+        from dist_glm5.model.mla import Selected
+
+        gemv, sp = self.gemv, self.spans
+        # attention: projections and cache writes, selection, sparse MLA, o_proj
+        h = self._norm(x, T, H, L.norms[0], nt)
+        sp.begin("attention")
+        kv = cache.kv[L.i]
+        idx = cache.index_k[L.i] if L.indexed else None
+        q, q_rot, iq, iw = mla_project.run(L.proj, h, cos, sin, slots, kv, idx, nt)
+        if L.indexed:
+            qr, wr = (iq, iw) if ident else (iq[rk.tok], iw[rk.tok])
+            qf = qr.float().contiguous()
+            wf = (wr * L.i_scale).contiguous()
+            sl = torch.empty(T, L.topk, dtype=torch.int64)
+            ok = torch.empty(T, L.topk, dtype=torch.bool)
+            rc = self.sel.dsa_select_many(
+                qf.data_ptr(), wf.data_ptr(), len(rk.lengths), rk.row_off.data_ptr(),
+                qf.shape[1], qf.shape[2], idx.data_ptr(), int(idx.dtype == BF16),
+                rk.tables.data_ptr(), rk.tab_off.data_ptr(), rk.block_size, rk.lengths.data_ptr(),
+                rk.q_pos.data_ptr(), L.topk, sl.data_ptr(), ok.data_ptr(), nt,
+            )  # fmt: skip
+            if rc != 0:
+                raise RuntimeError(f"dsa_select_many failed ({rc})")
+            chosen = Selected(None, sl, ok)
+        sl, ok = chosen.slots, chosen.valid
+        if not ident:
+            q, q_rot = q[rk.tok], q_rot[rk.tok]
+        att = torch.empty(T, L.heads, L.v, dtype=BF16)
+        rc = self.dec.mla_decode(
+            q.data_ptr(), q.stride(0), q.stride(1), q_rot.data_ptr(), L.kv_b.data_ptr(),
+            kv.data_ptr(), sl.data_ptr(), ok.data_ptr(), T, L.heads, L.nope, L.v, L.c, L.rope,
+            sl.shape[1], L.scale, 1 if kv.dtype == BF16 else 0, att.data_ptr(), nt,
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("mla_decode: no memory for its scratch")
+        if not ident:
+            full = torch.empty(T, L.heads, L.v, dtype=BF16)
+            full[rk.tok] = att
+            att = full
+        a = L.o(gemv, att, T, nt)
+        sp.end()
+        x = x + a
+        # the MLP
+        h = self._norm(x, T, H, L.norms[1], nt)
+        if not L.moe:
+            sp.begin("mlp")
+            m = L.mlp(gemv, h, T, nt)
+            sp.end()
+            return x + m, chosen
+        sp.begin("moe")
+        sp.begin("router")
+        k, n_group, topk_group, norm_topk, scaling = L.route_cfg
+        w = torch.empty(T, k, dtype=torch.float32)
+        ids = torch.empty(T, k, dtype=torch.int32)
+        pw, pb, E = L.route
+        rc = self.route.router(h.data_ptr(), 1, T, H, pw, pb, E, k, n_group, topk_group,
+                               norm_topk, scaling, w.data_ptr(), ids.data_ptr())  # fmt: skip
+        if rc == -2:
+            raise MemoryError("router: no memory for its scores")
+        if rc != 0:  # a shape the kernel does not take: the module's router (its reference)
+            w, ids = L.module.mlp.gate(h)
+            w, ids = w.contiguous(), ids.to(torch.int32).contiguous()
+        sp.end()
+        sp.begin("experts")
+        y = self._experts(L, h, w, ids, T, H, k, nt)
+        sp.end()
+        if L.shared is not None:
+            sp.begin("shared")
+            y = y + L.shared(gemv, h, T, nt)
+            sp.end()
+        sp.end()
+        return x + y, chosen
+
+    def _experts(self, L: _Layer, h, w, ids, T, H, k, nt):
+        if not L.mx:
+            out = torch.empty(T, H, dtype=BF16)
+            w13, w2 = L.ex
+            rc = self.gemv.bf16_experts(
+                h.data_ptr(), T, H, L.inter, k, ids.data_ptr(), w.data_ptr(), L.lo, L.n_local,
+                w13, w2, out.data_ptr(), nt,
+            )  # fmt: skip
+            if rc != 0:
+                raise MemoryError("bf16_gemv.experts: no memory for its buffers")
+            return out
+        thr = min(max(mxfp4_moe.GEMM_MIN_ROUTES[mxfp4_moe._isa], 1), 2**31 - 1)
+        if T * k >= thr:  # some expert may take the GEMM path: the module's op does both
+            return L.module.mlp.experts(h, w, ids)
+        out = torch.empty(T, H, dtype=torch.float32)
+        w13, s13, w2, s2 = L.ex
+        rc = self.mx.mx_moe_forward(
+            h.data_ptr(), 1, T, H, L.inter, k, ids.data_ptr(), w.data_ptr(), L.lo, L.n_local,
+            w13, s13, w2, s2, out.data_ptr(), nt, thr, None,
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("mx_moe_forward could not allocate its scratch buffers")
+        return out.to(BF16)

@@ -1,0 +1,168 @@
+"""kernels/decode_plan.py (`Ops.decode_plan`: a decode step's layers as the kernels in sequence,
+arguments prepared once) against the layers' modules, its reference: the same logits bit for bit
+and the same cache rows, over decode steps of several sequences of different lengths (selection
+on: contexts past index_topk), MTP-verify chunks of 2 rows, bf16 and MXFP4 experts, and a second
+pipeline stage whose first layer is 'shared' (the selection comes from the stage before); and
+every step it must decline (the modules then run it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_glm5.backends import get_backend
+from dist_glm5.checkpoint.default_model import ensure_default_model
+from dist_glm5.checkpoint.loader import load_model
+from dist_glm5.convert.glm53 import convert_glm53
+from dist_glm5.kernels import decode_plan
+from dist_glm5.model.dsa_config import DSAConfig
+from dist_glm5.model.kv_cache import Chunk
+from dist_glm5.model.reference_loop import blocks_needed
+
+SPARSE = DSAConfig(mode="sparse")
+PROMPTS = (150, 97, 211)  # index_topk is 64: every row selects
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dir(tmp_path_factory):
+    dst = tmp_path_factory.mktemp("plan") / "mx"
+    convert_glm53(ensure_default_model(), dst)
+    return dst
+
+
+def _model(path, **stage):
+    m = load_model(path, torch.bfloat16, ops=get_backend("cpu").ops(), dsa=SPARSE, **stage)
+    assert m.ops.decode_plan is decode_plan.plan
+    return m
+
+
+class Counting:
+    """The model's plan, counting the steps it took."""
+
+    def __init__(self, plan):
+        self.plan, self.taken = plan, 0
+
+    def __call__(self, *a):
+        out = self.plan(*a)
+        self.taken += out is not None
+        return out
+
+
+def _decode(stages, planned: bool, rows: int = 1, steps: int = 5, seed: int = 0):
+    """Prefill PROMPTS through `stages` (models run one after the other, selection passed on),
+    then `steps` greedy steps of `rows` rows per sequence (rows 2: an MTP verify's shape) ->
+    (logits per step, cache stores, steps the plans took)."""
+    g = torch.Generator().manual_seed(seed)
+    caches = [
+        m.new_cache(blocks_needed([n + rows * steps + 4 for n in PROMPTS], 64), 64) for m in stages
+    ]
+    for c in caches:  # unwritten rows compared too
+        for store in (*c.kv.values(), *c.index_k.values()):
+            store.zero_()
+    counters = []
+    for m in stages:
+        m._plan = None
+        plan = decode_plan.plan(m) if planned else None
+        assert (plan is not None) == planned
+        m._plan = Counting(plan) if planned else False
+        counters.append(m._plan)
+
+    def run(chunks, ids):
+        x, keep = ids, None
+        for m, c in zip(stages, caches):
+            b = c.prepare(chunks)
+            x, keep = m(x, b, c, keep)
+        return stages[-1].logits(stages[-1].final_norm(x))
+
+    toks = []
+    with torch.no_grad():
+        for i, n in enumerate(PROMPTS):
+            lo = run([Chunk(i, 0, n)], torch.randint(1, 250, (n,), generator=g))
+            toks.append(int(lo[-1].argmax()))
+        pos = list(PROMPTS)
+        out = []
+        for _ in range(steps):
+            chunks = [Chunk(i, pos[i], rows) for i in range(len(PROMPTS))]
+            ids = torch.tensor([t for t in toks for _ in range(rows)])
+            lo = run(chunks, ids)
+            out.append(lo)
+            toks = lo.view(len(PROMPTS), rows, -1)[:, -1].argmax(-1).tolist()
+            pos = [p + rows for p in pos]
+    stores = [(c.kv, c.index_k) for c in caches]
+    return out, stores, [c.taken for c in counters] if planned else None
+
+
+def _same(a, b):
+    (la, sa, _), (lb, sb, taken) = a, b
+    assert all(torch.equal(x, y) for x, y in zip(la, lb))
+    for (kva, ixa), (kvb, ixb) in zip(sa, sb):
+        assert all(torch.equal(kva[k], kvb[k]) for k in kva)
+        assert all(torch.equal(ixa[k], ixb[k]) for k in ixa)
+    return taken
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_planned_steps_give_the_modules_bits(fmt, rows, mxfp4_dir):
+    path = ensure_default_model() if fmt == "bf16" else mxfp4_dir
+    m = _model(path)
+    taken = _same(_decode([m], False, rows), _decode([m], True, rows))
+    assert taken == [5]  # every decode step planned (the prefills declined)
+
+
+def test_a_second_stage_starting_with_a_shared_layer(mxfp4_dir):
+    # layers 0 | 1-3: stage 2's first layer is 'shared' and reads stage 1's listed selection
+    stages = [_model(mxfp4_dir, layers=range(0, 1)), _model(mxfp4_dir, layers=range(1, 4))]
+    assert stages[1].model.layers["1"].self_attn.indexer is None
+    taken = _same(_decode(stages, False), _decode(stages, True))
+    assert taken == [5, 5]
+
+
+def test_the_plan_declines_what_it_does_not_take():
+    from dist_glm5.obs import profiler
+
+    m = _model(ensure_default_model())
+    plan = decode_plan.plan(m)
+    c = m.new_cache(blocks_needed([300, 300], 64), 64)
+    x = torch.tensor([5, 6])
+    with torch.no_grad():
+        m._plan = False
+        for i in range(2):
+            m(torch.randint(1, 250, (100,)), c.prepare([Chunk(i, 0, 100)]), c)
+        assert plan(torch.randint(1, 250, (20,)), c.prepare([Chunk(0, 100, 20)]), c) is None
+        # a decode row beside a verify chunk: padded rows
+        assert (
+            plan(torch.tensor([5, 6, 7]), c.prepare([Chunk(0, 120, 1), Chunk(1, 100, 2)]), c)
+            is None
+        )
+        assert plan(x, c.prepare([Chunk(0, 121, 1), Chunk(1, 102, 1)]), c) is not None
+        m.model.layers["2"].mlp.recorder = (object(), 2)  # routes being recorded
+        assert plan(x, c.prepare([Chunk(0, 122, 1), Chunk(1, 103, 1)]), c) is None
+        m.model.layers["2"].mlp.recorder = None
+        h = m.model.layers["1"].mlp.register_forward_hook(lambda *a: None)  # someone watches
+        assert plan(x, c.prepare([Chunk(0, 123, 1), Chunk(1, 104, 1)]), c) is None
+        h.remove()
+        # the profiler's hooks do not stop it: the plan opens the same spans itself
+        prof = profiler.Profiler()
+        profiler.install(m, prof)
+        prof.enabled = True
+        assert plan(x, c.prepare([Chunk(0, 124, 1), Chunk(1, 105, 1)]), c) is not None
+        names = [e[0] for e in prof.take()]
+        assert names.count("attention") == 4 and names.count("experts") == 3
+        assert {"router", "shared", "moe", "mlp"} <= set(names)
+    # no plan for the dense reference attention, nor for fp32 weights
+    assert decode_plan.plan(load_model(ensure_default_model(), torch.bfloat16, ops=m.ops)) is None
+    assert (
+        decode_plan.plan(load_model(ensure_default_model(), torch.float32, ops=m.ops, dsa=SPARSE))
+        is None
+    )
+
+
+def test_moving_the_weights_drops_the_plan():
+    m = _model(ensure_default_model())
+    c = m.new_cache(blocks_needed([100], 64), 64)
+    with torch.no_grad():
+        m(torch.randint(1, 250, (60,)), c.prepare([Chunk(0, 0, 60)]), c)
+    assert m._plan
+    m.to(torch.bfloat16)
+    assert m._plan is None
