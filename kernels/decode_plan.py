@@ -179,7 +179,16 @@ def plan(model):
                 return None  # another experts kernel (w4a8) or the reference: the modules' step
             if mx and mxfp4_moe._kernel.get() is None:
                 return None
-    return DecodePlan(model, layers)
+    mtp = None
+    if model.has_mtp:  # the draft layer, when its kernels take it too (a full DSA layer)
+        m = model.mtp_layer(0)
+        if (
+            m.self_attn.indexer is not None
+            and _weights_ok(m)
+            and _bf16(m.enorm.weight, m.hnorm.weight, m.eh_proj.weight, m.shared_head.norm.weight)
+        ):
+            mtp = m
+    return DecodePlan(model, layers, mtp)
 
 
 class _NoSpans:
@@ -191,15 +200,16 @@ class _NoSpans:
 
 
 class DecodePlan:
-    def __init__(self, model, layers):
+    def __init__(self, model, layers, mtp=None):
         self.model = model
         self.layers = [_Layer(lay, model.ops) for lay in layers]
+        self.mtp_layer = _Layer(mtp, model.ops) if mtp is not None else None
         g, d, m, p, n, r = (k._kernel.get() for k in (bf16_gemv, dsa_select, mla_decode,
                                                        mla_project, norm_rope, router))  # fmt: skip
         self.gemv, self.sel, self.dec, self.proj, self.norm, self.route = g, d, m, p, n, r
         self.mx = mxfp4_moe._kernel.get()
 
-    def takes(self, x: torch.Tensor, batch, cache, keep) -> bool:
+    def takes(self, x: torch.Tensor, batch, cache, keep, layers) -> bool:
         from dist_glm5.model.kv_cache import SMALL_CHUNK
         from dist_glm5.model.mla import Selected
 
@@ -215,9 +225,9 @@ class DecodePlan:
         ws = batch.write_slots
         if ws.dtype != torch.int64 or not ws.is_contiguous():
             return False
-        if self.layers[0].indexed is False and not (keep and isinstance(keep[0], Selected)):
+        if layers[0].indexed is False and not (keep and isinstance(keep[0], Selected)):
             return False  # a shared first layer needs the previous stage's listed selection
-        for L in self.layers:
+        for L in layers:
             kv = cache.kv[L.i]
             if kv.dtype != BF16 or not kv.is_contiguous():  # mla_decode's (q's dtype)
                 return False
@@ -233,14 +243,31 @@ class DecodePlan:
         """The step, or None when not taken (the caller runs the modules): x token ids [T] or
         hidden [T, H] bf16 -> (hidden [T, H], the last selection per group), as the model's
         forward returns them."""
-        if not self.takes(x, batch, cache, keep):
+        if not self.takes(x, batch, cache, keep, self.layers):
             return None
         model = self.model
         if x.dtype in (torch.int64, torch.int32):
             x = model.embed(x.long())
-        x = x.contiguous()
+        return self._layers(self.layers, x.contiguous(), batch, cache, keep)
+
+    def mtp(self, next_ids: torch.Tensor, h_normed: torch.Tensor, batch, cache):
+        """The MTP layer's step (Glm5Model.mtp_forward's contract), or None when not taken."""
+        L = self.mtp_layer
+        if L is None or h_normed.dtype != BF16:
+            return None
+        if not self.takes(h_normed, batch, cache, None, [L]):
+            return None
+        m, model = L.module, self.model
+        emb = (m.embed_tokens or model.model.embed_tokens)(next_ids.long())
+        emb = emb.masked_fill((batch.positions == 0)[:, None], 0.0)
+        x = m.eh_proj(torch.cat([m.enorm(emb), m.hnorm(h_normed)], dim=-1))
+        out = self._layers([L], x.contiguous(), batch, cache, None)
+        return None if out is None else m.shared_head.norm(out[0])
+
+    def _layers(self, layers, x, batch, cache, keep):
+        model = self.model
         cos, sin = model.rope.lookup(batch.positions)
-        rope = self.layers[0].rope
+        rope = layers[0].rope
         if not all(
             t.dtype == torch.float32 and t.is_contiguous() and t.shape == (x.shape[0], rope // 2)
             for t in (cos, sin)
@@ -254,7 +281,7 @@ class DecodePlan:
         ident = bool(torch.equal(rk.tok, torch.arange(T)))
         chosen = keep[0] if keep else None
         self.spans = getattr(model, "profiler", None) or _NoSpans()
-        for L in self.layers:
+        for L in layers:
             x, chosen = self._layer(L, x, T, H, nt, cos, sin, slots, cache, rk, ident, chosen)
         return x, [chosen]
 

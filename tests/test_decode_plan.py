@@ -40,15 +40,20 @@ class Counting:
     """The model's plan, counting the steps it took."""
 
     def __init__(self, plan):
-        self.plan, self.taken = plan, 0
+        self.plan, self.taken, self.drafts = plan, 0, 0
 
     def __call__(self, *a):
         out = self.plan(*a)
         self.taken += out is not None
         return out
 
+    def mtp(self, *a):
+        out = self.plan.mtp(*a)
+        self.drafts += out is not None
+        return out
 
-def _decode(stages, planned: bool, rows: int = 1, steps: int = 5, seed: int = 0):
+
+def _decode(stages, planned: bool, rows: int = 1, steps: int = 5, seed: int = 0, mtp=False):
     """Prefill PROMPTS through `stages` (models run one after the other, selection passed on),
     then `steps` greedy steps of `rows` rows per sequence (rows 2: an MTP verify's shape) ->
     (logits per step, cache stores, steps the plans took)."""
@@ -67,12 +72,18 @@ def _decode(stages, planned: bool, rows: int = 1, steps: int = 5, seed: int = 0)
         m._plan = Counting(plan) if planned else False
         counters.append(m._plan)
 
-    def run(chunks, ids):
+    def run(chunks, ids, draft=False):
         x, keep = ids, None
         for m, c in zip(stages, caches):
             b = c.prepare(chunks)
             x, keep = m(x, b, c, keep)
-        return stages[-1].logits(stages[-1].final_norm(x))
+        last = stages[-1]
+        h = last.final_norm(x)
+        lo = last.logits(h)
+        if draft:  # the MTP layer on the same rows, fed the greedy next tokens (as a drafter)
+            d = last.mtp_forward(lo.argmax(-1), h, b, caches[-1])
+            lo = torch.cat([lo, last.mtp_logits(d)])
+        return lo
 
     toks = []
     with torch.no_grad():
@@ -84,12 +95,16 @@ def _decode(stages, planned: bool, rows: int = 1, steps: int = 5, seed: int = 0)
         for _ in range(steps):
             chunks = [Chunk(i, pos[i], rows) for i in range(len(PROMPTS))]
             ids = torch.tensor([t for t in toks for _ in range(rows)])
-            lo = run(chunks, ids)
+            lo = run(chunks, ids, mtp)
             out.append(lo)
-            toks = lo.view(len(PROMPTS), rows, -1)[:, -1].argmax(-1).tolist()
+            toks = lo[: len(ids)].view(len(PROMPTS), rows, -1)[:, -1].argmax(-1).tolist()
             pos = [p + rows for p in pos]
     stores = [(c.kv, c.index_k) for c in caches]
-    return out, stores, [c.taken for c in counters] if planned else None
+    return (
+        out,
+        stores,
+        [(c.taken, c.drafts) if mtp else c.taken for c in counters] if planned else None,
+    )
 
 
 def _same(a, b):
@@ -108,6 +123,12 @@ def test_planned_steps_give_the_modules_bits(fmt, rows, mxfp4_dir):
     m = _model(path)
     taken = _same(_decode([m], False, rows), _decode([m], True, rows))
     assert taken == [5]  # every decode step planned (the prefills declined)
+
+
+def test_the_mtp_layer_planned_gives_the_modules_bits(mxfp4_dir):
+    m = _model(mxfp4_dir)
+    taken = _same(_decode([m], False, 2, mtp=True), _decode([m], True, 2, mtp=True))
+    assert taken == [(5, 5)]  # the verify-shaped steps and their drafts
 
 
 def test_a_second_stage_starting_with_a_shared_layer(mxfp4_dir):

@@ -134,19 +134,23 @@ class Glm5Model(nn.Module):
         Returns the residual stream after the last owned layer (before the final norm) and the
         last DSA selection (for a following stage whose first layer is 'shared').
         """
-        if self.ops.decode_plan is not None:
-            if self._plan is None:
-                self._plan = self.ops.decode_plan(self) or False
-            if self._plan:
-                out = self._plan(x, batch, cache, keep)
-                if out is not None:
-                    return out
+        if self._planned():
+            out = self._plan(x, batch, cache, keep)
+            if out is not None:
+                return out
         if x.dtype in (torch.int64, torch.int32):
             x = self.embed(x.long())
         cos, sin = self.rope.lookup(batch.positions)
         for i in self.layer_range:
             x, keep = self.model.layers[str(i)](x, batch, cache, cos, sin, keep)
         return x, keep
+
+    def _planned(self) -> bool:
+        """Whether the backend planned this model's decode steps (made on first use)."""
+        if self._plan is None:
+            plan = self.ops.decode_plan
+            self._plan = (plan(self) if plan is not None else None) or False
+        return bool(self._plan)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.norm(h)
@@ -165,6 +169,10 @@ class Glm5Model(nn.Module):
     ) -> torch.Tensor:
         """MTP rows at the batch's positions: next_ids [T] (token i+1 for row i),
         h_normed [T, H] -> [T, H] normed."""
+        if j == 0 and self._planned():
+            out = self._plan.mtp(next_ids, h_normed, batch, cache)
+            if out is not None:
+                return out
         layer = self.mtp_layer(j)
         emb = (layer.embed_tokens or self.model.embed_tokens)(next_ids.long())
         cos, sin = self.rope.lookup(batch.positions)
