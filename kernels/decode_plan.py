@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from . import bf16_gemv, dsa_select, mla_decode, mla_project, mxfp4_moe, norm_rope, router
 
 BF16 = torch.bfloat16
-# rows a planned step takes at most: the router kernel's (the other kernels take more)
-ROWS = min(router.ROWS, bf16_gemv.ROWS, mla_project.ROWS)
+# rows a planned step takes at most: the products' (beyond them torch's GEMMs pay); past the
+# router kernel's ROWS the module's router runs (its torch reference, as in the modules' step)
+ROWS = min(bf16_gemv.ROWS, mla_project.ROWS)
 
 
 def _ptr(t: torch.Tensor | None):
@@ -344,11 +345,13 @@ class DecodePlan:
         sp.begin("moe")
         sp.begin("router")
         k, n_group, topk_group, norm_topk, scaling = L.route_cfg
-        w = torch.empty(T, k, dtype=torch.float32)
-        ids = torch.empty(T, k, dtype=torch.int32)
-        pw, pb, E = L.route
-        rc = self.route.router(h.data_ptr(), 1, T, H, pw, pb, E, k, n_group, topk_group,
-                               norm_topk, scaling, w.data_ptr(), ids.data_ptr())  # fmt: skip
+        rc = 1
+        if T <= router.ROWS:
+            w = torch.empty(T, k, dtype=torch.float32)
+            ids = torch.empty(T, k, dtype=torch.int32)
+            pw, pb, E = L.route
+            rc = self.route.router(h.data_ptr(), 1, T, H, pw, pb, E, k, n_group, topk_group,
+                                   norm_topk, scaling, w.data_ptr(), ids.data_ptr())  # fmt: skip
         if rc == -2:
             raise MemoryError("router: no memory for its scores")
         if rc != 0:  # a shape the kernel does not take: the module's router (its reference)

@@ -117,7 +117,7 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 6])  # 6: 18 rows, past the router kernel's 16
 def test_planned_steps_give_the_modules_bits(fmt, rows, mxfp4_dir):
     path = ensure_default_model() if fmt == "bf16" else mxfp4_dir
     m = _model(path)
