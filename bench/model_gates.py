@@ -247,8 +247,13 @@ def api_gates(url: str) -> dict:
             ok = False
         return {"text": text, "finish": r.choices[0].finish_reason, "ok": ok}
 
+    # one request first, alone: pydantic builds the client's response model on first use, and
+    # threads doing that at once raise (openai 3.57, pydantic 2.13: "ChatCompletion has no
+    # attribute __pydantic_core_schema__")
+    reqs = list(tool_requests())
+    first = tool(reqs[0])
     with ThreadPoolExecutor(8) as pool:
-        tools = list(pool.map(tool, tool_requests()))
+        tools = [first, *pool.map(tool, reqs[1:])]
         objs = list(pool.map(json_obj, JSON_PROMPTS))
         schemas = list(pool.map(json_schema, SCHEMAS))
     closed = sum(t["finish"] == "tool_calls" for t in tools)
