@@ -1,4 +1,4 @@
-"""kernels/decode_plan.py (`Ops.decode_plan`: a decode step's layers as the kernels in sequence,
+"""backends/cpu_plan.py (`Ops.decode_plan`: a decode step's layers as the kernels in sequence,
 arguments prepared once) against the layers' modules, its reference: the same logits bit for bit
 and the same cache rows, over decode steps of several sequences of different lengths (selection
 on: contexts past index_topk), MTP-verify chunks of 2 rows, bf16 and MXFP4 experts, and a second
@@ -10,11 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_glm5.backends import get_backend
+from dist_glm5.backends import cpu_plan, get_backend
 from dist_glm5.checkpoint.default_model import ensure_default_model
 from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.convert.glm53 import convert_glm53
-from dist_glm5.kernels import decode_plan
 from dist_glm5.model.dsa_config import DSAConfig
 from dist_glm5.model.kv_cache import Chunk
 from dist_glm5.model.reference_loop import blocks_needed
@@ -32,7 +31,7 @@ def mxfp4_dir(tmp_path_factory):
 
 def _model(path, **stage):
     m = load_model(path, torch.bfloat16, ops=get_backend("cpu").ops(), dsa=SPARSE, **stage)
-    assert m.ops.decode_plan is decode_plan.plan
+    assert m.ops.decode_plan is cpu_plan.plan
     return m
 
 
@@ -67,7 +66,7 @@ def _decode(stages, planned: bool, rows: int = 1, steps: int = 5, seed: int = 0,
     counters = []
     for m in stages:
         m._plan = None
-        plan = decode_plan.plan(m) if planned else None
+        plan = cpu_plan.plan(m) if planned else None
         assert (plan is not None) == planned
         m._plan = Counting(plan) if planned else False
         counters.append(m._plan)
@@ -143,7 +142,7 @@ def test_the_plan_declines_what_it_does_not_take():
     from dist_glm5.obs import profiler
 
     m = _model(ensure_default_model())
-    plan = decode_plan.plan(m)
+    plan = cpu_plan.plan(m)
     c = m.new_cache(blocks_needed([300, 300], 64), 64)
     x = torch.tensor([5, 6])
     with torch.no_grad():
@@ -172,9 +171,9 @@ def test_the_plan_declines_what_it_does_not_take():
         assert names.count("attention") == 4 and names.count("experts") == 3
         assert {"router", "shared", "moe", "mlp"} <= set(names)
     # no plan for the dense reference attention, nor for fp32 weights
-    assert decode_plan.plan(load_model(ensure_default_model(), torch.bfloat16, ops=m.ops)) is None
+    assert cpu_plan.plan(load_model(ensure_default_model(), torch.bfloat16, ops=m.ops)) is None
     assert (
-        decode_plan.plan(load_model(ensure_default_model(), torch.float32, ops=m.ops, dsa=SPARSE))
+        cpu_plan.plan(load_model(ensure_default_model(), torch.float32, ops=m.ops, dsa=SPARSE))
         is None
     )
 

@@ -16,7 +16,6 @@ from . import Backend
 def cpu_ops():
     from dist_glm5.kernels import (
         bf16_gemv,
-        decode_plan,
         dsa_select,
         mla_decode,
         mla_project,
@@ -26,6 +25,8 @@ def cpu_ops():
     from dist_glm5.ops import attention, linear, reference_ops
     from dist_glm5.ops.experts import cpu_experts_ops
     from dist_glm5.ops.topk import select_topk_sorted
+
+    from . import cpu_plan
 
     ref = reference_ops()
     wide = not linear.native_bf16_gemm()  # bf16 GEMMs in fp32 (ops/linear.py says why)
@@ -68,7 +69,7 @@ def cpu_ops():
         route=router.route if router.available() else None,
         # a decode step's layers as these kernels in sequence, arguments prepared once (the
         # modules run what it declines)
-        decode_plan=decode_plan.plan,
+        decode_plan=cpu_plan.plan,
     )
 
 

@@ -95,7 +95,7 @@ def install(model: nn.Module, prof: Profiler = PROF) -> None:
             _hook(layer.mlp, "mlp", prof)
         for red in ("attn_reduce", "mlp_reduce"):
             _wrap(layer, red, "all_reduce", prof)
-    # a planned decode step (kernels/decode_plan.py) calls no module: it opens the same spans
+    # a planned decode step (backends/cpu_plan.py) calls no module: it opens the same spans
     # itself when the model says who profiles it
     model.profiler = prof
 

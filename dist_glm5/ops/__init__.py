@@ -68,7 +68,7 @@ class Ops:
     route: "Callable | None" = None
     # Optional: a whole decode step of a model's layers, planned once: (model) -> a callable
     # (x, batch, cache, keep) -> what the model's forward returns, or None for a step it does not
-    # take (kernels/decode_plan.py); the factory returns None for a model it cannot run. The
+    # take (backends/cpu_plan.py); the factory returns None for a model it cannot run. The
     # layers' modules are its reference and run every step it declines. None: the modules.
     decode_plan: "Callable | None" = None
 

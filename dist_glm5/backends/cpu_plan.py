@@ -1,5 +1,6 @@
-"""A decode step of a model's layers as its C kernels called in sequence, every argument that does
-not change between steps prepared once: `plan(model)`, the CPU backend's `Ops.decode_plan`.
+"""The CPU backend's planned decode step: a model's layers as its C kernels called in sequence,
+every argument that does not change between steps prepared once: `plan(model)`, the CPU
+backend's `Ops.decode_plan`.
 
 Why: on `bench decode`'s small model (batch 1, one thread) about 40% of a step was Python and torch
 dispatch around the kernels (perf: libpython 25%, libtorch 15%): per layer some 30 module calls,
@@ -22,7 +23,17 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import bf16_gemv, dsa_select, mla_decode, mla_project, mxfp4_moe, norm_rope, router
+from dist_glm5.kernels import (
+    bf16_gemv,
+    dsa_select,
+    mla_decode,
+    mla_project,
+    mxfp4_moe,
+    norm_rope,
+    router,
+)
+from dist_glm5.model.kv_cache import SMALL_CHUNK
+from dist_glm5.model.mla import Selected
 
 BF16 = torch.bfloat16
 # rows a planned step takes at most: the products' (beyond them torch's GEMMs pay); past the
@@ -211,9 +222,6 @@ class DecodePlan:
         self.mx = mxfp4_moe._kernel.get()
 
     def takes(self, x: torch.Tensor, batch, cache, keep, layers) -> bool:
-        from dist_glm5.model.kv_cache import SMALL_CHUNK
-        from dist_glm5.model.mla import Selected
-
         T = batch.num_tokens
         profiled = getattr(self.model, "profiler", None) is not None
         if not 0 < T <= ROWS or len(batch.groups) != 1:
@@ -293,8 +301,6 @@ class DecodePlan:
         return out
 
     def _layer(self, L: _Layer, x, T, H, nt, cos, sin, slots, cache, rk, ident, chosen):
-        from dist_glm5.model.mla import Selected
-
         gemv, sp = self.gemv, self.spans
         # attention: projections and cache writes, selection, sparse MLA, o_proj
         h = self._norm(x, T, H, L.norms[0], nt)
