@@ -85,7 +85,11 @@ def test_few_row_kernel_is_the_exact_sum_rounded_once():
             assert got.dtype == torch.bfloat16 and got.shape == (m, N)
             assert ((got.double() - exact).abs() <= half_step * 1.01 + fp32_err).all()
             want = torch.nn.functional.linear(x, w, bias)
-            assert ulps(got, want).max() <= 1 and (got == want).float().mean() > 0.9
+            # torch's native bf16 GEMM (CPUs with AVX512-BF16) rounds the product to bf16 and
+            # again after the bias: one more step apart then (the float64 check above is the
+            # bound; this one is the peer)
+            steps = 1 if bias is None or not L.native_bf16_gemm() else 2
+            assert ulps(got, want).max() <= steps and (got == want).float().mean() > 0.9
     # leading dims kept, a non-contiguous x taken, NaN kept
     x = torch.randn(2, 1, 40, generator=g).bfloat16()[:, :, ::2]
     w = torch.randn(6, 20, generator=g).bfloat16()
