@@ -9,6 +9,7 @@ from runtime_util import coordinator, prompts
 
 from dist_glm5.backends import get_backend
 from dist_glm5.model.reference_loop import generate
+from dist_glm5.ops.linear import native_bf16_gemm
 from dist_glm5.sampling.params import SamplingParams
 from dist_glm5.sampling.rejection import verify_draft
 from dist_glm5.stages.worker import StageWorker
@@ -37,6 +38,14 @@ def test_mixed_lengths_arriving_at_different_times_equal_generate(
         )  # reported (the embedded model's MTP layer is random: ~0)
 
 
+@pytest.mark.xfail(
+    native_bf16_gemm(),
+    strict=False,
+    reason="CPUs with native bf16 GEMM (AVX512-BF16): a prefill chunk's tail of <= 32 rows goes "
+    "through the C product, the whole prompt through torch's bf16 GEMM; an ulp apart, they flip "
+    "a near-tie of the random model (70-token prompt, chunks 48 + 22). Exact tokens across "
+    "chunkings need batch-invariant products (issue 26's note)",
+)
 def test_bfloat16_serving_dtype_equals_generate_in_bfloat16(default_model_dir, reference):
     """bf16 (the serving dtype) through the coordinator (chunked prefill, micro-batches, MTP) gives
     the tokens of the single-process loop on the same bf16 weights."""
