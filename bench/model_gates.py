@@ -338,6 +338,13 @@ def run(args) -> int:
     from . import quality
 
     logging.basicConfig(level=logging.INFO)
+    missing = sorted(set(args.gate_lengths) - set(args.needle_lengths))
+    if "needles" in args.only and missing:  # checked before minutes of needles, not after
+        raise SystemExit(
+            f"--gate-lengths {missing} are not among --needle-lengths {args.needle_lengths}: "
+            "the needle gate is judged on measured lengths (e.g. --needle-lengths 4096 "
+            "--gate-lengths 4096)"
+        )
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else ensure_default_model()
     res: dict = {"model": str(model_dir), "gate_lengths": args.gate_lengths, "gates": GATES}
