@@ -11,9 +11,9 @@ The layers' modules stay the reference and run whatever the plan does not take: 
 with the same inputs, so the same bits (tests/test_decode_plan.py). `plan(model)` is None for a
 model it cannot run (not bf16, the dense reference attention, a kernel that does not build, an
 experts op without a kernel); a built plan returns None for a step it does not take (a prefill
-chunk, more than ROWS rows, hooks on a module (the profiler's), a tensor-parallel reduce, routes
-being recorded, a cache store of another dtype), and the modules run that step.
-One step at a time per model: the plan reuses its argument structs.
+chunk, more than ROWS rows, forward hooks other than the profiler's (whose spans the plan opens
+itself), a tensor-parallel reduce, routes being recorded, a cache store of another dtype), and the
+modules run that step. One step at a time per model: the plan reuses its argument structs.
 """
 
 from __future__ import annotations
