@@ -205,6 +205,13 @@ def _gemm_experts(
         out.index_add_(0, tok, y.t() * tw[tok, slot, None])
 
 
+def gemm_threshold(gemm_min_routes: int | None = None) -> int:
+    """Routes from which an expert takes the decode + GEMM path (moe_mxfp4's gemm_min_routes;
+    None: GEMM_MIN_ROUTES of the code path in use), as the kernel's int."""
+    thr = GEMM_MIN_ROUTES[_isa] if gemm_min_routes is None else gemm_min_routes
+    return min(max(thr, 1), 2**31 - 1)
+
+
 def moe_mxfp4(
     x: Tensor,
     topk_ids: Tensor,
@@ -241,8 +248,7 @@ def moe_mxfp4(
         x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, experts_min, experts_max
     )
     T, k = topk_ids.shape
-    thr = GEMM_MIN_ROUTES[_isa] if gemm_min_routes is None else gemm_min_routes
-    thr = min(max(thr, 1), 2**31 - 1)
+    thr = gemm_threshold(gemm_min_routes)
     xc, ids, tw = _as(x, x.dtype), _as(topk_ids, torch.int32), _as(topk_weights, torch.float32)
     w13, w13_scale, w2, w2_scale = (_as(t, torch.uint8) for t in (w13, w13_scale, w2, w2_scale))
     out = torch.empty(T, H, dtype=torch.float32)

@@ -84,7 +84,7 @@ class _MLP:
 class _Layer:
     """One decoder layer's prepared arguments."""
 
-    def __init__(self, layer, ops):
+    def __init__(self, layer):
         att, mlp = layer.self_attn, layer.mlp
         self.module, self.i = layer, att.layer
         self.watched = list(layer.modules())  # whose hooks make the modules run the step
@@ -214,11 +214,11 @@ class _NoSpans:
 class DecodePlan:
     def __init__(self, model, layers, mtp=None):
         self.model = model
-        self.layers = [_Layer(lay, model.ops) for lay in layers]
-        self.mtp_layer = _Layer(mtp, model.ops) if mtp is not None else None
-        g, d, m, p, n, r = (k._kernel.get() for k in (bf16_gemv, dsa_select, mla_decode,
-                                                       mla_project, norm_rope, router))  # fmt: skip
-        self.gemv, self.sel, self.dec, self.proj, self.norm, self.route = g, d, m, p, n, r
+        self.layers = [_Layer(lay) for lay in layers]
+        self.mtp_layer = _Layer(mtp) if mtp is not None else None
+        g, d, m, n, r = (k._kernel.get() for k in (bf16_gemv, dsa_select, mla_decode, norm_rope,
+                                                    router))  # fmt: skip
+        self.gemv, self.sel, self.dec, self.norm, self.route = g, d, m, n, r
         self.mx = mxfp4_moe._kernel.get()
 
     def takes(self, x: torch.Tensor, batch, cache, keep, layers) -> bool:
@@ -231,19 +231,12 @@ class DecodePlan:
             return False
         if x.dtype not in (torch.int64, torch.int32, BF16):
             return False
-        ws = batch.write_slots
-        if ws.dtype != torch.int64 or not ws.is_contiguous():
-            return False
         if layers[0].indexed is False and not (keep and isinstance(keep[0], Selected)):
             return False  # a shared first layer needs the previous stage's listed selection
         for L in layers:
             kv = cache.kv[L.i]
-            if kv.dtype != BF16 or not kv.is_contiguous():  # mla_decode's (q's dtype)
+            if kv.dtype != BF16:  # mla_decode's (q's dtype); the rest is step_ok's
                 return False
-            if L.indexed:
-                ix = cache.index_k[L.i]
-                if ix.dtype not in mla_project.STORES or not ix.is_contiguous():
-                    return False
             if L.hooked(profiled):
                 return False
         return True
@@ -276,13 +269,14 @@ class DecodePlan:
     def _layers(self, layers, x, batch, cache, keep):
         model = self.model
         cos, sin = model.rope.lookup(batch.positions)
-        rope = layers[0].rope
-        if not all(
-            t.dtype == torch.float32 and t.is_contiguous() and t.shape == (x.shape[0], rope // 2)
-            for t in (cos, sin)
-        ):
-            return None  # the modules compose the projections then (mla_project.step_ok)
         slots = batch.write_slots
+        # what the fused projection takes (x stands in for its normed rows: same shape and
+        # layout); where it declines, the modules compose the projections
+        if not all(
+            mla_project.step_ok(x, L.proj_w, cos, sin, slots, cache.kv[L.i], self._idx(cache, L))
+            for L in layers
+        ):
+            return None
         T, H = x.shape
         nt = torch.get_num_threads()
         g = batch.groups[0]
@@ -293,6 +287,10 @@ class DecodePlan:
         for L in layers:
             x, chosen = self._layer(L, x, T, H, nt, cos, sin, slots, cache, rk, ident, chosen)
         return x, [chosen]
+
+    @staticmethod
+    def _idx(cache, L: _Layer):
+        return cache.index_k[L.i] if L.indexed else None
 
     def _norm(self, x, T, H, which, nt):
         out = torch.empty(T, H, dtype=BF16)
@@ -305,8 +303,7 @@ class DecodePlan:
         # attention: projections and cache writes, selection, sparse MLA, o_proj
         h = self._norm(x, T, H, L.norms[0], nt)
         sp.begin("attention")
-        kv = cache.kv[L.i]
-        idx = cache.index_k[L.i] if L.indexed else None
+        kv, idx = cache.kv[L.i], self._idx(cache, L)
         q, q_rot, iq, iw = mla_project.run(L.proj, h, cos, sin, slots, kv, idx, nt)
         if L.indexed:
             qr, wr = (iq, iw) if ident else (iq[rk.tok], iw[rk.tok])
@@ -385,7 +382,7 @@ class DecodePlan:
             if rc != 0:
                 raise MemoryError("bf16_gemv.experts: no memory for its buffers")
             return out
-        thr = min(max(mxfp4_moe.GEMM_MIN_ROUTES[mxfp4_moe._isa], 1), 2**31 - 1)
+        thr = mxfp4_moe.gemm_threshold()
         if T * k >= thr:  # some expert may take the GEMM path: the module's op does both
             return L.module.mlp.experts(h, w, ids)
         out = torch.empty(T, H, dtype=torch.float32)
