@@ -26,6 +26,12 @@ def register(p: argparse.ArgumentParser) -> None:
         "--export", default=None, help="write the shipped checkpoint here when done (a directory)"
     )
     p.add_argument(
+        "--skip-p",
+        type=float,
+        default=0.0,
+        help="share of rows whose position ids jump once (PoSE; 0: the committed recipe)",
+    )
+    p.add_argument(
         "--export-only",
         action="store_true",
         help="export the run's last saved step to --export and stop (gate a run as it goes)",
@@ -50,5 +56,6 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         save_every=args.save_every,
         export_to=Path(args.export) if args.export else None,
+        skip_p=args.skip_p,
     )
     return 0

@@ -199,6 +199,28 @@ PHASES = [
 ]
 INDEXER_LR = 3e-3  # the indexers' constant rate in the "indexers" phase (and layer 2's always)
 
+# Positional skips (PoSE: Zhu et al. 2023, "Efficient context window extension of LLMs via
+# positional skip-wise training"), off unless asked (--skip-p): a row's position ids jump once,
+# at a random byte, by a log-uniform skip of up to SKIP_MAX, so rows of 512-4,096 bytes train the
+# RoPE distances a 16K-64K prompt asks. Without them the heads meet untrained distances past the
+# longest row (s6-1, step 1,400: layer 0's previous-byte head put all its weight on keys over
+# 2,048 back at byte 3,000). The text stays continuous; supervision that names a key by its
+# distance skips the rows whose key lies across the jump (Trainer._near).
+SKIP_MAX = 65536
+
+
+def skip_positions(seed: int, step: int, batch: int, seq: int, p: float) -> torch.Tensor:
+    """[batch, seq] position ids of a step: each row, with probability p, jumps once (a
+    function of seed and step only, like the batch)."""
+    rng = random.Random(f"skip:{seed}:{step}")
+    pos = torch.arange(seq).repeat(batch, 1)
+    for b in range(batch):
+        if rng.random() < p:
+            at = rng.randrange(1, seq)
+            pos[b, at:] += int(math.exp(rng.uniform(0.0, math.log(SKIP_MAX - seq))))
+    return pos
+
+
 # data mixes: fractions of needle documents, copy documents (spans of code repeated), repeat
 # documents (random strings repeated: only copying predicts them), chat documents (chats with
 # tool calls, JSON replies and JSON documents: chat_corpus.py); the rest plain code. The long
@@ -466,9 +488,12 @@ class Trainer:
         offset = readout = 0.0
         for h, k in enumerate(OFFSETS):
             keys = torch.arange(S - k).view(1, -1, 1).expand(B, -1, 1)
-            offset = offset - torch.log(w[:, h, k:].gather(-1, keys).clamp_min(1e-6)).mean()
+            near = self._near(k)  # [B, S - k]
+            lw = torch.log(w[:, h, k:].gather(-1, keys).clamp_min(1e-6)).squeeze(-1)
+            offset = offset - lw[near].mean()
             lo = self.readout(v[:, k:, h])[..., 256 * h : 256 * (h + 1)]
-            byte = ids[:, :-k].reshape(-1)  # <eos> (chat rows) is no byte to name: not counted
+            # <eos> (chat rows) is no byte to name, nor a key across a position jump: not counted
+            byte = ids[:, :-k].masked_fill(~near, -100).reshape(-1)
             byte = byte.masked_fill(byte > 255, -100)
             readout = readout + F.cross_entropy(lo.reshape(-1, 256), byte)
         out = {"offset": offset / len(OFFSETS), "readout": readout / len(OFFSETS)}
@@ -494,11 +519,18 @@ class Trainer:
         out["index"] = self.index_loss(induction)
         return out
 
+    def _near(self, k: int) -> torch.Tensor:
+        """[B, S - k] bool: rows t >= k whose key k bytes back is also k positions back (false
+        across a skip_positions jump) in the last `losses` call."""
+        return self.pos[:, k:] - self.pos[:, :-k] == k
+
     def _column_losses(self, ids: torch.Tensor, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """The column head's even window (w: its weights [B, S, S]) and the two read-outs."""
         B, S = ids.shape
         keys = torch.arange(S)[:, None] - torch.arange(COLUMN_WINDOW)  # [S, W]: the last W keys
-        inside = keys >= 0
+        # the window's keys that are j positions back as well as j bytes (skip_positions)
+        kp = self.pos.gather(1, keys.clamp_min(0).view(1, -1).expand(B, -1)).view(B, S, -1)
+        inside = (keys >= 0) & (self.pos[..., None] - kp == torch.arange(COLUMN_WINDOW))
         # gathered, not masked: [B, S, W], where an [S, S] band was 16M entries a 4K row
         w_win = w.gather(-1, keys.clamp_min(0).expand(B, S, COLUMN_WINDOW))
         logw = torch.log(w_win.clamp_min(1e-6))
@@ -551,8 +583,9 @@ class Trainer:
             rows, scores, _ = self._layer(i).self_attn.indexer.last  # [B, R], [B, R, S]
             logp = torch.log_softmax(scores, dim=-1)
             for k in OFFSETS:
-                ok = rows >= k
-                lp = logp.gather(-1, (rows - k).clamp_min(0)[..., None]).squeeze(-1)
+                back = (rows - k).clamp_min(0)
+                ok = (rows >= k) & (self.pos.gather(1, rows) - self.pos.gather(1, back) == k)
+                lp = logp.gather(-1, back[..., None]).squeeze(-1)
                 total = total - lp[ok].mean() / len(OFFSETS)
         return total / len(self.indexers)
 
@@ -654,18 +687,27 @@ class Trainer:
         return k
 
     def losses(
-        self, ids: torch.Tensor, induction: torch.Tensor | None = None
+        self,
+        ids: torch.Tensor,
+        induction: torch.Tensor | None = None,
+        pos: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """LM, MTP and indexer KL losses. With induction [B, S] (sparse joint steps) every full
-        indexer's selection keeps the keys its supervision names (forced_keys)."""
+        indexer's selection keeps the keys its supervision names (forced_keys); pos [B, S]: the
+        rows' position ids (skip_positions; default 0..S-1)."""
         B, S = ids.shape
         for i in self.indexers:  # not the MTP layer's (S - 1 rows, no supervised heads)
             main = i < self.cfg.num_hidden_layers and induction is not None
             force = forced_keys(induction, i == INDUCTION_LAYER) if main else None
             self._layer(i).self_attn.indexer.force = force
         m = self.model.model
-        pos = torch.arange(S).unsqueeze(0).expand(B, S)
-        out = m(input_ids=ids, position_ids=pos)
+        if pos is None:
+            pos, mask = torch.arange(S).unsqueeze(0).expand(B, S), None
+        else:  # an explicit mask: transformers reads a jump in position ids without one as the
+            # start of another packed sequence and masks everything before it
+            mask = torch.ones_like(ids)
+        self.pos = pos
+        out = m(input_ids=ids, position_ids=pos, attention_mask=mask)
         h = out.last_hidden_state
         logits = self.model.lm_head(h)
         self.logits = logits  # attention_supervision reads them on the rows of repeats
@@ -833,10 +875,12 @@ def train(
     threads: int = 1,
     save_every: int = 25,
     export_to: Path | None = None,
+    skip_p: float = 0.0,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
-    checkpoint there when done."""
+    checkpoint there when done. skip_p: the share of rows whose position ids jump
+    (skip_positions; 0: none, the committed recipe)."""
     from tqdm import tqdm
 
     steps = PHASES[-1].end if steps is None else steps
@@ -875,7 +919,8 @@ def train(
         ids, induction, reply = data.batch(step, seq, batch, ph.mix)
         tr.rows_gen.manual_seed(seed * 1_000_003 + step)
         tr.model.train()
-        ls = tr.losses(ids, induction if sparse and not indexers_only else None)
+        pos = skip_positions(seed, step, batch, seq, skip_p) if skip_p else None
+        ls = tr.losses(ids, induction if sparse and not indexers_only else None, pos)
         if indexers_only:  # the indexers' own losses: the model's are not trained here
             ls["index"] = tr.index_loss(induction)
             loss = ls["kl"] + ls["index"]
