@@ -213,3 +213,36 @@ def test_export_only_writes_the_weights_the_run_exported(tmp_path):
         assert torch.equal(a[k], b[k]), k
     with pytest.raises(FileNotFoundError, match="train first"):
         td.export_state(tmp_path / "nothing", tmp_path / "x", seed=3)
+
+
+def test_position_skips_jump_once_and_attention_still_crosses_the_jump():
+    """skip_positions (PoSE): each row jumps at most once, by at most SKIP_MAX overall, the same
+    for the same seed and step; contiguous ids give the recipe's losses to every digit; after a
+    jump the rows still attend to the keys before it (transformers reads a jump without a mask
+    as a new packed sequence); the offset supervision leaves out rows whose key is across it."""
+    a, b = td.skip_positions(3, 7, 4, S, 1.0), td.skip_positions(3, 7, 4, S, 1.0)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, td.skip_positions(3, 8, 4, S, 1.0))
+    steps = a.diff(dim=1)
+    assert ((steps != 1).sum(1) <= 1).all() and (steps >= 1).all()
+    assert (a[:, 0] == 0).all() and (a[:, -1] < td.SKIP_MAX).all()
+    assert torch.equal(td.skip_positions(3, 7, 4, S, 0.0), torch.arange(S).repeat(4, 1))
+
+    tr = _trainer()
+    ids, _ = _ids_and_force()
+    none = torch.full_like(ids, -1)
+    with torch.no_grad():
+        tr.rows_gen.manual_seed(0)
+        base = tr.losses(ids) | tr.attention_supervision(ids, none)
+        tr.rows_gen.manual_seed(0)
+        same = tr.losses(ids, None, torch.arange(S).repeat(2, 1))
+        same |= tr.attention_supervision(ids, none)
+        assert {k: v.item() for k, v in base.items()} == {k: v.item() for k, v in same.items()}
+
+        pos = torch.arange(S).repeat(2, 1)
+        pos[:, 50:] += 10_000
+        tr.losses(ids, None, pos)
+        w = tr.heads[td.OFFSET_LAYER]  # [B, H, S, S]
+        assert (w[:, :, 60, :50].sum(-1) > 0.01).all()  # not a packed-sequence boundary
+        near = tr._near(1)  # rows t >= 1: row 50's previous byte is 10,001 positions back
+        assert not near[:, 49].any() and near[:, 48].all() and near[:, 50].all()
