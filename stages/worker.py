@@ -247,7 +247,11 @@ class StageWorker:
                 mtp_seqs.append((out, st, w.sample))
         if mtp_chunks:
             nxt, rows = torch.tensor(mtp_next), torch.cat(mtp_rows)
-            mb = self.rt.prepare(self.cache, mtp_chunks)  # maybe padded, like the layers' step
+            # the same chunks give the same batch (a decode step whose draft was accepted, or
+            # none proposed): its metadata is reused; otherwise (a rejected draft's shorter
+            # chunk, a prefill) prepared anew, maybe padded like the layers' step
+            same = mtp_chunks == batch.chunks
+            mb = batch if same else self.rt.prepare(self.cache, mtp_chunks)
             T, h_rows = mb.num_tokens, hn[rows.to(hn.device)]
             x = self.rt.inputs(nxt, T), self.rt.inputs(h_rows, T)
             hm = self.rt.forward_mtp(*x, mb, self.cache)

@@ -216,6 +216,10 @@ class DecodePlan:
         self.model = model
         self.layers = [_Layer(lay) for lay in layers]
         self.mtp_layer = _Layer(mtp) if mtp is not None else None
+        if mtp is not None:  # the draft's input norms and projection, its output norm
+            norms = (mtp.enorm, mtp.hnorm, mtp.shared_head.norm)
+            self.mtp_norms = [(n.weight.data_ptr(), float(n.eps)) for n in norms]
+            self.eh_proj = _Linear(mtp.eh_proj)
         g, d, m, n, r = (k._kernel.get() for k in (bf16_gemv, dsa_select, mla_decode, norm_rope,
                                                     router))  # fmt: skip
         self.gemv, self.sel, self.dec, self.norm, self.route = g, d, m, n, r
@@ -259,12 +263,17 @@ class DecodePlan:
             return None
         if not self.takes(h_normed, batch, cache, None, [L]):
             return None
-        m, model = L.module, self.model
+        m, model, nt = L.module, self.model, torch.get_num_threads()
+        T, H = h_normed.shape
         emb = (m.embed_tokens or model.model.embed_tokens)(next_ids.long())
         emb = emb.masked_fill((batch.positions == 0)[:, None], 0.0)
-        x = m.eh_proj(torch.cat([m.enorm(emb), m.hnorm(h_normed)], dim=-1))
-        out = self._layers([L], x.contiguous(), batch, cache, None)
-        return None if out is None else m.shared_head.norm(out[0])
+        e, hn = (
+            self._norm(emb, T, H, self.mtp_norms[0], nt),
+            self._norm(h_normed.contiguous(), T, H, self.mtp_norms[1], nt),
+        )
+        x = self.eh_proj(self.gemv, torch.cat([e, hn], dim=-1), T, nt)
+        out = self._layers([L], x, batch, cache, None)
+        return None if out is None else self._norm(out[0], T, H, self.mtp_norms[2], nt)
 
     def _layers(self, layers, x, batch, cache, keep):
         model = self.model
