@@ -23,6 +23,14 @@
  * - Decoded weights are exact (an E2M1 value has 2 significant bits; a power-of-two scale is
  *   exact, scale byte 0 = 2^-127 gives exact subnormals, byte 255 is NaN), so results differ
  *   from "decode to fp32 then GEMM" only by the order of the fp32 additions.
+ * - AVX512-BF16 (+ BW, VBMI), gate/up with bf16 x (decode's activations): the weights are exact
+ *   in bf16 too and a bf16 x bf16 product is exact in fp32, so vdpbf16ps (32 products, fp32
+ *   sums) gives the same result up to the order of additions, with half the decode work and half
+ *   the multiply instructions per weight (row kernel 1.4x the fp32 one here, Zen 4, 4 rows x 4
+ *   tokens). But it reads denormal inputs as zero and flushes denormal results whatever MXCSR
+ *   says, so it runs only where neither can occur (bf16_exact: a range check of the rows' scale
+ *   bytes against x's smallest exponent), the fp32 kernels elsewhere. fp32 x is never rounded to
+ *   bf16, and the down projection keeps its fp32 input: both stay on the fp32 kernels.
  * - Several rows x several tokens per kernel call (register blocking); with more than 2 tokens
  *   the inputs go by column chunks that keep x in L1.
  * - Threads (OpenMP, same libgomp soname as torch's, so the loader reuses torch's copy and one
@@ -42,12 +50,12 @@
 #define MX_X86 1
 #endif
 
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, NISA = 4 };
 enum { MAX_GROUP = 8 }; /* tokens whose accumulators stay in registers while a row streams by */
 
 /* Tokens per group: AVX-512 does 4 rows x 4 tokens (16 accumulators, each x load feeds 4 FMAs)
  * faster than 2 rows x 8 tokens, which loads x twice as often. */
-static const int GROUP[3] = {MAX_GROUP, MAX_GROUP, 4};
+static const int GROUP[NISA] = {MAX_GROUP, MAX_GROUP, 4, 4};
 static float SCALE[256]; /* E8M0 byte -> 2^(byte-127); 0 -> 2^-127 (subnormal); 255 -> NaN */
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -65,6 +73,12 @@ static float LUT8[256][8] __attribute__((aligned(32)));
  * shift or a mask. vpshufb is one cheap uop where vpermps is not (two on Zen 2). */
 static uint8_t BF_HI[256][32] __attribute__((aligned(32)));
 static uint8_t BF_LO[256][32] __attribute__((aligned(32)));
+/* AVX512-BF16 row kernels: per scale byte the 16 values as bf16 words, twice (vpermw reads 5
+ * index bits, of which block_bf16 sets only the low 4). */
+static uint16_t BFW[256][32] __attribute__((aligned(64)));
+/* w13 rows computed by the bf16 kernels and by the fp32 ones (mx_w13_rows): how the tests see
+ * which path ran. */
+static int64_t g_w13_rows[2];
 
 static void init_tables(void) {
     for (int b = 0; b < 256; b++) {
@@ -83,6 +97,7 @@ static void init_tables(void) {
             memcpy(&u, &LUT16[b][i % 16], 4);
             BF_HI[b][i] = (uint8_t)(u >> 24);
             BF_LO[b][i] = (uint8_t)(u >> 16);
+            BFW[b][i] = (uint16_t)(u >> 16);
         }
     }
 }
@@ -90,14 +105,19 @@ static void init_tables(void) {
 static int best_isa(void) {
 #ifdef MX_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return ISA_AVX512;
+    if (__builtin_cpu_supports("avx512f"))
+        return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
+                       __builtin_cpu_supports("avx512bf16")
+                   ? ISA_AVX512BF16
+                   : ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
 #endif
     return ISA_SCALAR;
 }
 
 /* Select the code path: -1 = best the CPU supports; a request above that is lowered.
- * Returns the path in use (0 scalar, 1 AVX2+FMA, 2 AVX-512F). Not thread safe: call before use. */
+ * Returns the path in use (0 scalar, 1 AVX2+FMA, 2 AVX-512F, 3 AVX-512F with the AVX512-BF16 w13
+ * kernels). Not thread safe: call before use. */
 int mx_set_isa(int isa) {
     int best = best_isa();
     if (SCALE[1] == 0.0f) init_tables();
@@ -111,7 +131,7 @@ int mx_set_isa(int isa) {
  * Several rows at once amortise the per-row tail (reductions, stores, the call) and let one
  * load of x feed NR FMAs; NA accumulators per (row, token) keep enough independent FMA chains
  * in flight when NR * NT is small. */
-typedef void (*rows_fn)(const uint8_t *, const uint8_t *, int, int, const float *const *,
+typedef void (*rows_fn)(const uint8_t *, const uint8_t *, int, int, const void *const *,
                         float *);
 
 static void rows_dot_scalar(const uint8_t *w, const uint8_t *s, int K, const float *const *xs,
@@ -137,6 +157,7 @@ static void rows_dot_scalar(const uint8_t *w, const uint8_t *s, int K, const flo
 #define INLINE static inline __attribute__((always_inline))
 #define AVX2 __attribute__((target("avx2,fma")))
 #define AVX512 __attribute__((target("avx512f,avx2,fma")))
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16,avx2,fma")))
 
 /* Software prefetch, PF_BYTES ahead (at least one group of rows ahead). Rows are short (3 KiB
  * for GLM-5's w13, 256 B for the small model's w2), too short for the hardware streamer to ramp
@@ -279,13 +300,82 @@ INLINE AVX512 void rows_dot_avx512(const uint8_t *w, const uint8_t *s, int K, in
         }
 }
 
+/* ----- AVX512-BF16 (+ BW, VBMI; w13 with bf16 x only, where bf16_exact says so): per block a
+ * broadcast load, one vpmultishiftqb and one vpermw on a 32-word table per scale byte give the 32
+ * weights as bf16, and one vdpbf16ps per block and token does 32 products (the fp32 path: a
+ * widening, two permutes, a shift and two FMAs). With vpmovzxbd + shift + or instead of the
+ * broadcast + multishift (no VBMI needed) the row kernel ran ~10% slower here (Zen 4).
+ * xb order, in each block of 32: position 8L + 4h + m holds column 16h + 4L + m (xb_pos). */
+
+/* The block's 16 bytes in each 128-bit lane: qword 2L + h of the vector holds its bytes 8h..8h+7
+ * (columns 16h..16h+15, 4 bits each), and the multishift puts columns 16h + 4L + m (m = 0..3) at
+ * the low bits of its words m; vpermw reads bits 4:0 of each word, so the table holds the 16
+ * values twice (bit 4 is the next column's bit 0). */
+INLINE AVX512BF16 __m512i block_bf16(const uint8_t *w, uint8_t s) {
+#define SHIFTS(L) (16LL * L | (16LL * L + 4) << 16 | (16LL * L + 8) << 32 | (16LL * L + 12) << 48)
+    const __m512i ctl = _mm512_set_epi64(SHIFTS(3), SHIFTS(3), SHIFTS(2), SHIFTS(2), SHIFTS(1),
+                                         SHIFTS(1), SHIFTS(0), SHIFTS(0));
+#undef SHIFTS
+    const __m512i src = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w));
+    return _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(ctl, src),
+                                    _mm512_load_si512(BFW[s]));
+}
+
+INLINE AVX512BF16 void bf16_block(const uint8_t *w, const uint8_t *s, size_t wb, size_t sb,
+                                  int b, const int NR, const int NT, const int NA, const int u,
+                                  const uint16_t *const *xs, __m512 *acc) {
+    __m512i wv[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) wv[r] = block_bf16(w + r * wb + 16 * b, s[r * sb + b]);
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) {
+        const __m512i xv = _mm512_loadu_si512(xs[t] + 32 * b);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            __m512 *a = acc + (r * NT + t) * NA + u;
+            *a = _mm512_dpbf16_ps(*a, (__m512bh)wv[r], (__m512bh)xv);
+        }
+    }
+}
+
+INLINE AVX512BF16 void rows_dot_bf16(const uint8_t *w, const uint8_t *s, int K, int ld,
+                                     const int NR, const int NT, const int NA,
+                                     const uint16_t *const *xs, float *res) {
+    const size_t wb = ld / 2, sb = ld / 32;
+    const int nb = K / 32;
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int a = 0; a < NR * NT * NA; a++) acc[a] = _mm512_setzero_ps();
+    int b = 0;
+    for (; b + NA <= nb; b += NA) /* NA blocks in turn, each into its own accumulators */
+#pragma GCC unroll 4
+        for (int u = 0; u < NA; u++) {
+            prefetch_ahead(w, s, K, ld, NR, b + u);
+            bf16_block(w, s, wb, sb, b + u, NR, NT, NA, u, xs, acc);
+        }
+    for (; b < nb; b++) bf16_block(w, s, wb, sb, b, NR, NT, NA, 0, xs, acc);
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            __m512 *a = acc + (r * NT + t) * NA, v = a[0];
+#pragma GCC unroll 4
+            for (int i = 1; i < NA; i++) v = _mm512_add_ps(v, a[i]);
+            res[r * MAX_GROUP + t] = _mm512_reduce_add_ps(v);
+        }
+}
+
 #define ROWS(ISA, NR, NT, NA)                                                                \
     static ISA##_T void rows_##ISA##_##NR##_##NT(const uint8_t *w, const uint8_t *s, int K,    \
-                                                 int ld, const float *const *xs, float *res) { \
-        rows_dot_##ISA(w, s, K, ld, NR, NT, NA, xs, res);                                      \
+                                                 int ld, const void *const *xs, float *res) {  \
+        rows_dot_##ISA(w, s, K, ld, NR, NT, NA, (const ISA##_X *const *)xs, res);              \
     }
 #define avx2_T AVX2
 #define avx512_T AVX512
+#define bf16_T AVX512BF16
+#define avx2_X float
+#define avx512_X float
+#define bf16_X uint16_t
 /* Register budget: AVX2 has 16 ymm, AVX-512 32 zmm; NR * NT * NA <= 16 accumulators. */
 ROWS(avx2, 1, 1, 4) ROWS(avx2, 2, 1, 2) ROWS(avx2, 1, 2, 2) ROWS(avx2, 2, 2, 1)
 ROWS(avx2, 1, 3, 2) ROWS(avx2, 1, 4, 2) ROWS(avx2, 1, 5, 1) ROWS(avx2, 1, 6, 1)
@@ -294,22 +384,26 @@ ROWS(avx512, 1, 1, 2) ROWS(avx512, 4, 1, 2) ROWS(avx512, 1, 2, 2) ROWS(avx512, 4
 ROWS(avx512, 1, 3, 1) ROWS(avx512, 4, 3, 1) ROWS(avx512, 1, 4, 1) ROWS(avx512, 4, 4, 1)
 ROWS(avx512, 1, 5, 1) ROWS(avx512, 2, 5, 1) ROWS(avx512, 1, 6, 1) ROWS(avx512, 2, 6, 1)
 ROWS(avx512, 1, 7, 1) ROWS(avx512, 2, 7, 1) ROWS(avx512, 1, 8, 1) ROWS(avx512, 2, 8, 1)
+ROWS(bf16, 1, 1, 4) ROWS(bf16, 4, 1, 2) ROWS(bf16, 1, 2, 2) ROWS(bf16, 4, 2, 2)
+ROWS(bf16, 1, 3, 2) ROWS(bf16, 4, 3, 1) ROWS(bf16, 1, 4, 2) ROWS(bf16, 4, 4, 1)
 
 /* [isa][nt] -> the multi-row kernel and its row count; ONE_ROW for the remainder rows. */
-static const rows_fn MULTI[3][MAX_GROUP + 1] = {
+static const rows_fn MULTI[NISA][MAX_GROUP + 1] = {
     {0},
     {0, rows_avx2_2_1, rows_avx2_2_2, rows_avx2_1_3, rows_avx2_1_4, rows_avx2_1_5, rows_avx2_1_6,
      rows_avx2_1_7, rows_avx2_1_8},
     {0, rows_avx512_4_1, rows_avx512_4_2, rows_avx512_4_3, rows_avx512_4_4, rows_avx512_2_5,
-     rows_avx512_2_6, rows_avx512_2_7, rows_avx512_2_8}};
-static const int MULTI_NR[3][MAX_GROUP + 1] = {
-    {0}, {0, 2, 2, 1, 1, 1, 1, 1, 1}, {0, 4, 4, 4, 4, 2, 2, 2, 2}};
-static const rows_fn ONE_ROW[3][MAX_GROUP + 1] = {
+     rows_avx512_2_6, rows_avx512_2_7, rows_avx512_2_8},
+    {0, rows_bf16_4_1, rows_bf16_4_2, rows_bf16_4_3, rows_bf16_4_4}};
+static const int MULTI_NR[NISA][MAX_GROUP + 1] = {
+    {0}, {0, 2, 2, 1, 1, 1, 1, 1, 1}, {0, 4, 4, 4, 4, 2, 2, 2, 2}, {0, 4, 4, 4, 4}};
+static const rows_fn ONE_ROW[NISA][MAX_GROUP + 1] = {
     {0},
     {0, rows_avx2_1_1, rows_avx2_1_2, rows_avx2_1_3, rows_avx2_1_4, rows_avx2_1_5, rows_avx2_1_6,
      rows_avx2_1_7, rows_avx2_1_8},
     {0, rows_avx512_1_1, rows_avx512_1_2, rows_avx512_1_3, rows_avx512_1_4, rows_avx512_1_5,
-     rows_avx512_1_6, rows_avx512_1_7, rows_avx512_1_8}};
+     rows_avx512_1_6, rows_avx512_1_7, rows_avx512_1_8},
+    {0, rows_bf16_1_1, rows_bf16_1_2, rows_bf16_1_3, rows_bf16_1_4}};
 
 /* One packed row -> K fp32 values in natural column order. */
 static AVX2 void decode_row_avx2(const uint8_t *w, const uint8_t *s, int K, float *out) {
@@ -353,17 +447,19 @@ static void decode_row_scalar(const uint8_t *w, const uint8_t *s, int K, float *
 
 /* ---------------------------------------------------------------- row loops */
 
-/* For rows r in [r0, r1) of a packed matrix with K inputs and n tokens (xs, xp order):
+/* For rows r in [r0, r1) of a packed matrix with K inputs and n tokens, with the row kernels of
+ * `isa` (xs: fp32 in xp order; ISA_AVX512BF16: bf16 in xb order):
  * alpha == NULL: dst[t][r] = row_r . xs[t];  else dst[t][r] += alpha[t] * (row_r . xs[t]).
  * With more than 2 tokens the inputs go by column chunks sized so that one group's chunk of x
  * stays in L1 (otherwise every FMA waits on L2), and within a chunk group by group: the rows'
  * chunk is read from memory by the first group and from L2 by the next ones. */
-static void rows_dot(const uint8_t *w, const uint8_t *s, int K, int r0, int r1, int n,
-                     const float *const *xs, float *const *dst, const float *alpha) {
-    enum { L1_FLOATS = 6144 }; /* 24 KiB of x per token group: half of a 48 KiB L1 */
+static void rows_dot(const uint8_t *w, const uint8_t *s, int K, int r0, int r1, int n, int isa,
+                     const void *const *xs, float *const *dst, const float *alpha) {
+    enum { L1_FLOATS = 6144 }; /* 24 KiB of fp32 x per token group: half of a 48 KiB L1 */
     float res[4 * MAX_GROUP];
-    const float *xo[MAX_GROUP];
-    const int isa = g_isa, group = GROUP[isa], widest = n < group ? n : group;
+    const void *xo[MAX_GROUP];
+    const size_t xsize = isa == ISA_AVX512BF16 ? 2 : 4; /* bytes per x element */
+    const int group = GROUP[isa], widest = n < group ? n : group;
     int kc_len = K;
     if (widest > 2) {
         kc_len = (L1_FLOATS / widest) & ~63;
@@ -373,7 +469,7 @@ static void rows_dot(const uint8_t *w, const uint8_t *s, int K, int r0, int r1, 
         const int kl = K - kc < kc_len ? K - kc : kc_len;
         for (int g = 0; g < n; g += group) {
             const int nt = n - g < group ? n - g : group;
-            for (int t = 0; t < nt; t++) xo[t] = xs[g + t] + kc;
+            for (int t = 0; t < nt; t++) xo[t] = (const char *)xs[g + t] + kc * xsize;
             for (int r = r0; r < r1;) {
                 const uint8_t *wr = w + (size_t)r * (K / 2) + kc / 2;
                 const uint8_t *sr = s + (size_t)r * (K / 32) + kc / 32;
@@ -384,7 +480,7 @@ static void rows_dot(const uint8_t *w, const uint8_t *s, int K, int r0, int r1, 
                     (nr > 1 ? MULTI : ONE_ROW)[isa][nt](wr, sr, kl, K, xo, res);
                 } else
 #endif
-                    rows_dot_scalar(wr, sr, kl, xo, res, nt);
+                    rows_dot_scalar(wr, sr, kl, (const float *const *)xo, res, nt);
                 for (int i = 0; i < nr; i++)
                     for (int t = 0; t < nt; t++) {
                         const float v = res[i * MAX_GROUP + t];
@@ -404,13 +500,17 @@ static void rows_dot(const uint8_t *w, const uint8_t *s, int K, int r0, int r1, 
 /* Natural column c -> its position in xp order. Scalar (G = 16) and AVX-512 (G = 32): in each
  * group of G inputs, the even ones first, then the odd ones. AVX2: in each block of 32, the order
  * block_values makes: position 8q + 4l + e holds column 16 (q >> 1) + 2 (q & 1) + l + 4e. */
-static inline int xp_group(void) { return g_isa == ISA_AVX512 ? 32 : 16; }
+static inline int xp_group(void) { return g_isa >= ISA_AVX512 ? 32 : 16; }
 static inline int xp_pos(int c, int G) {
     if (g_isa == ISA_AVX2) {
         const int r = c & 15, q = 2 * ((c >> 4) & 1) + ((r & 3) >> 1);
         return (c & ~31) | 8 * q + 4 * (r & 1) + (r >> 2);
     }
     return (c & ~(G - 1)) | ((c & 1) ? G / 2 : 0) | ((c & (G - 1)) >> 1);
+}
+
+static inline int xb_pos(int c) {
+    return (c & ~31) | (8 * ((c >> 2) & 3) + 4 * ((c >> 4) & 1) + (c & 3));
 }
 
 static inline float bf16_to_f32(uint16_t v) {
@@ -420,7 +520,59 @@ static inline float bf16_to_f32(uint16_t v) {
     return f;
 }
 
+/* ---------------------------------------------------------------- when bf16 is exact
+ * vdpbf16ps reads denormal inputs as zero and flushes denormal results (whatever MXCSR says), so
+ * the bf16 kernels run only where neither can occur, the fp32 kernels everywhere else. With ex
+ * the biased exponent of x's smallest nonzero |value| (0: x has a bf16 denormal) and the row's
+ * scale bytes in [lo, hi]:
+ * - the weights are normal bf16 when lo >= 2 (0.5 * 2^(lo-127) >= 2^-126), not NaN when
+ *   hi <= 254, and x has no denormal when ex >= 1;
+ * - every product, so every partial sum, is an integer multiple of 2^(lo + ex - 262) (the
+ *   smallest weight step 0.5 * 2^(lo-127) times x's 8-bit significand step 2^(ex-127-7)): a
+ *   nonzero one is a normal fp32 when lo + ex >= 136.
+ * Then every product is exact, as in the fp32 kernels, and the sums differ only in their order
+ * (and in vdpbf16ps's one rounding per pair). Real experts (bytes ~110-127) and activations
+ * (|x| > 1e-20) are far inside. */
+static int x_min_exponent(const uint16_t *x, int H) { /* 255 when x is all zeros */
+    int m = 255;
+    for (int c = 0; c < H; c++) {
+        const int a = x[c] & 0x7FFF, e = a >> 7;
+        m = a && e < m ? e : m;
+    }
+    return m;
+}
+
+static int bf16_exact(const uint8_t *s, size_t n, int ex) {
+    uint8_t lo = 255, hi = 0;
+    for (size_t i = 0; i < n; i++) {
+        lo = s[i] < lo ? s[i] : lo;
+        hi = s[i] > hi ? s[i] : hi;
+    }
+    return ex >= 1 && lo >= 2 && lo + ex >= 136 && hi <= 254;
+}
+
+/* dst[t][r] = row_r . x_t for the w13 rows [r0, r1) of one expert and its n tokens: the bf16
+ * kernels (xb: the tokens' bf16 rows, NULL when not on that path) when bf16_exact holds for all
+ * the rows' scale bytes (a range check over 1/16 of the bytes the rows read), else the fp32
+ * kernels of fisa (xs, xp order). */
+static void w13_rows(const uint8_t *w, const uint8_t *s, int H, int r0, int r1, int n, int fisa,
+                     const float *const *xs, const uint16_t *const *xb, int ex,
+                     float *const *dst) {
+    const size_t sb = H / 32;
+    const int bf = xb && bf16_exact(s + r0 * sb, (r1 - r0) * sb, ex);
+    rows_dot(w, s, H, r0, r1, n, bf ? ISA_AVX512BF16 : fisa,
+             bf ? (const void *const *)xb : (const void *const *)xs, dst, NULL);
+    __atomic_fetch_add(&g_w13_rows[!bf], r1 - r0, __ATOMIC_RELAXED);
+}
+
 /* ---------------------------------------------------------------- entry points */
+
+/* The w13 rows computed since the last call by the bf16 kernels (out[0]) and by the fp32 ones
+ * (out[1], any ISA); both counts restart at zero. For tests: which path ran. */
+void mx_w13_rows(int64_t *out) {
+    out[0] = __atomic_exchange_n(&g_w13_rows[0], 0, __ATOMIC_RELAXED);
+    out[1] = __atomic_exchange_n(&g_w13_rows[1], 0, __ATOMIC_RELAXED);
+}
 
 /* Decode rows x K of a packed matrix to fp32 (natural order), split over nthreads. */
 void mx_decode(const uint8_t *w, const uint8_t *s, int64_t rows, int K, float *out, int nthreads) {
@@ -428,7 +580,7 @@ void mx_decode(const uint8_t *w, const uint8_t *s, int64_t rows, int K, float *o
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
 #ifdef MX_X86
-        if (g_isa == ISA_AVX512) {
+        if (g_isa >= ISA_AVX512) {
             decode_row_avx512(w + r * (K / 2), s + r * (K / 32), K, out + r * K);
             continue;
         }
@@ -442,7 +594,8 @@ void mx_decode(const uint8_t *w, const uint8_t *s, int64_t rows, int K, float *o
 }
 
 /* The routed-experts forward over this rank's experts [emin, emin + E).
- *   x [T, H] fp32 (x_bf16 = 0) or bf16 bits (x_bf16 = 1); ids [T, k] int32 global expert ids;
+ *   x [T, H] fp32 (x_bf16 = 0) or bf16 bits (x_bf16 = 1; the AVX512-BF16 path reads it as given
+ *   for w13, see bf16_exact); ids [T, k] int32 global expert ids;
  *   tw [T, k] fp32 router weights; out [T, H] fp32, fully written.
  *   Experts with >= skip_min routes are left out (the caller runs them as a GEMM); counts [E]
  *   (may be NULL) receives every local expert's number of routes. Returns 0, or -1 if memory
@@ -453,6 +606,9 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
                    int32_t *counts) {
     if (g_isa < 0) mx_set_isa(-1);
     const int G = xp_group(), nroutes = T * k;
+    /* fp32 kernels: w2 always, w13 for fp32 x or where bf16 would not be exact */
+    const int fisa = g_isa == ISA_AVX512BF16 ? ISA_AVX512 : g_isa;
+    const int bf = g_isa == ISA_AVX512BF16 && x_bf16;
     int32_t *own_counts = counts ? NULL : malloc(sizeof(int32_t) * (E + 1));
     if (!counts) counts = own_counts;
     if (!counts) return -1;
@@ -491,11 +647,17 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
     const float **as = malloc(sizeof(float *) * (R + 1));
     float **hd = malloc(sizeof(float *) * (R + 1));
     float **od = malloc(sizeof(float *) * (R + 1));
-    if (!xp || !h || !act || !xs || !as || !hd || !od) {
+    /* bf16 path: x in xb order, per token its x_min_exponent */
+    uint16_t *xbp = bf ? malloc(sizeof(uint16_t) * ((size_t)T * H + 1)) : NULL;
+    const uint16_t **xb = bf ? malloc(sizeof(uint16_t *) * (R + 1)) : NULL;
+    int *xe = bf ? malloc(sizeof(int) * (T + 1)) : NULL;
+    if (!xp || !h || !act || !xs || !as || !hd || !od || (bf && (!xbp || !xb || !xe))) {
         free(xp); free(h); free(act); free(xs); free(as); free(hd); free(od);
+        free(xbp); free(xb); free(xe);
         goto oom;
     }
     for (int j = 0; j < R; j++) {
+        if (bf) xb[j] = xbp + (size_t)route_tok[j] * H;
         xs[j] = xp + (size_t)route_tok[j] * H;
         as[j] = act + (size_t)j * I;
         hd[j] = h + (size_t)j * 2 * I;
@@ -518,6 +680,11 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
                 dst[xp_pos(c, G)] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[(size_t)t * H + c])
                                         : ((const float *)x)[(size_t)t * H + c];
             memset(out + (size_t)t * H, 0, sizeof(float) * H);
+            if (bf) {
+                const uint16_t *src = (const uint16_t *)x + (size_t)t * H;
+                for (int c = 0; c < H; c++) xbp[(size_t)t * H + xb_pos(c)] = src[c];
+                xe[t] = x_min_exponent(src, H);
+            }
         }
         /* implicit barrier: xp is complete */
 
@@ -529,8 +696,11 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
             const int i0 = (item % ci) * CHUNK, i1 = i0 + CHUNK < I ? i0 + CHUNK : I;
             const uint8_t *we = w13 + (size_t)e * 2 * I * (H / 2);
             const uint8_t *se = s13 + (size_t)e * 2 * I * (H / 32);
-            rows_dot(we, se, H, i0, i1, n, xs + j0, hd + j0, NULL);
-            rows_dot(we, se, H, I + i0, I + i1, n, xs + j0, hd + j0, NULL);
+            int ex = 255; /* the smallest x exponent of the expert's tokens */
+            for (int j = j0; bf && j < j0 + n; j++) ex = xe[route_tok[j]] < ex ? xe[route_tok[j]] : ex;
+            const uint16_t *const *xbj = bf ? xb + j0 : NULL;
+            w13_rows(we, se, H, i0, i1, n, fisa, xs + j0, xbj, ex, hd + j0);
+            w13_rows(we, se, H, I + i0, I + i1, n, fisa, xs + j0, xbj, ex, hd + j0);
             for (int j = j0; j < j0 + n; j++)
                 for (int i = i0; i < i1; i++) {
                     const float g = hd[j][i], u = hd[j][I + i];
@@ -547,11 +717,12 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
             for (int q = 0; q < ntouched; q++) {
                 const int e = touched[q], j0 = start[e], n = start[e + 1] - j0;
                 rows_dot(w2 + (size_t)e * H * (I / 2), s2 + (size_t)e * H * (I / 32), I, r0, r1,
-                         n, as + j0, od + j0, route_w + j0);
+                         n, fisa, (const void *const *)(as + j0), od + j0, route_w + j0);
             }
         }
     }
     free(xp); free(h); free(act); free(xs); free(as); free(hd); free(od);
+    free(xbp); free(xb); free(xe);
     free(start); free(fill); free(route_tok); free(route_w); free(touched); free(own_counts);
     return 0;
 oom:

@@ -14,7 +14,8 @@ returns [T, H] in x.dtype: sum over routes to THIS rank's experts of
 Two paths, chosen per expert by how many routes it has in the call:
 - fewer than `GEMM_MIN_ROUTES` (every expert in decode): the C kernel (mxfp4_moe.c) streams the
   expert's packed rows once for all its tokens and unpacks them in registers. Memory bound at
-  a few tokens per expert, then bound by its FMAs (AVX-512 or AVX2, picked at run time).
+  a few tokens per expert, then bound by its FMAs (AVX-512 or AVX2, picked at run time; with
+  AVX512-BF16 and bf16 x, gate/up take vdpbf16ps where that is exact, see mxfp4_moe.c).
 - at least `GEMM_MIN_ROUTES` (prefill): the expert is decoded by the C decoder a 4 MiB fp32
   tile at a time and each tile multiplied with torch (MKL), which has the faster GEMM once
   enough tokens share the decode.
@@ -27,6 +28,8 @@ DIST_GLM5_KERNELS=0) passes it in (`fallback=`).
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -36,15 +39,20 @@ from torch import Tensor
 
 from .build import Lazy
 
+log = logging.getLogger(__name__)
+
 SOURCE = Path(__file__).with_name("mxfp4_moe.c")
-ISA_NAMES = ("scalar", "avx2", "avx512")
+ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")
+# Caps the code path when the library loads (one of ISA_NAMES), e.g. to run a benchmark or the
+# serving loop on the AVX-512F path of a CPU that has AVX512-BF16; set_isa() overrides it.
+ISA_ENV = "DIST_GLM5_MXFP4_ISA"
 # Per code path, the routes per expert from which decode-a-tile + torch GEMM beats the fused
 # kernel: where the two cross in `bench kernels`' one-expert sweep (2-core AVX-512 Xeon, fused vs
 # GEMM ms). AVX-512, 2 threads: GLM-5 28.9 vs 29.5 at 64 routes, 59.9 vs 46.9 at 128; small model
 # 1.34 vs 1.57 at 64, 2.64 vs 2.26 at 128 (1 thread: crossing between 48 and 80). AVX2, 2
 # threads: GLM-5 19.0 vs 18.2 at 24, 25.2 vs 20.3 at 32; small 0.86 vs 0.86 at 24. The scalar
 # path is ~10x slower than AVX2, so there the GEMM wins from a few tokens.
-GEMM_MIN_ROUTES = {"scalar": 4, "avx2": 24, "avx512": 64}
+GEMM_MIN_ROUTES = {"scalar": 4, "avx2": 24, "avx512": 64, "avx512bf16": 64}
 
 _isa = "scalar"  # the kernel's code path in use
 
@@ -56,7 +64,12 @@ def _signatures(lib: ctypes.CDLL) -> None:
     lib.mx_decode.argtypes, lib.mx_decode.restype = [p, p, i64, i, p, i], None
     lib.mx_moe_forward.argtypes = [p, i, i, i, i, i, p, p, i, i, p, p, p, p, p, i, i, p]
     lib.mx_moe_forward.restype = i
-    _isa = ISA_NAMES[lib.mx_set_isa(-1)]
+    lib.mx_w13_rows.argtypes, lib.mx_w13_rows.restype = [p], None
+    cap = os.environ.get(ISA_ENV, "").strip().lower()
+    if cap and cap not in ISA_NAMES:
+        log.warning("%s=%r is none of %s: ignored", ISA_ENV, cap, ISA_NAMES)
+        cap = ""
+    _isa = ISA_NAMES[lib.mx_set_isa(ISA_NAMES.index(cap) if cap else -1)]
 
 
 _kernel = Lazy(SOURCE, _signatures)
@@ -64,7 +77,7 @@ available = _kernel.available
 
 
 def set_isa(isa: str | None = None) -> str:
-    """Force the kernel's code path ("scalar", "avx2", "avx512"; None = the best this CPU has).
+    """Force the kernel's code path (one of ISA_NAMES; None = the best this CPU has).
     Returns the path in use (a request above what the CPU supports is lowered). For tests and
     benchmarks; not thread safe."""
     global _isa
@@ -73,6 +86,17 @@ def set_isa(isa: str | None = None) -> str:
         raise RuntimeError("the MXFP4 MoE kernel is not available")
     _isa = ISA_NAMES[lib.mx_set_isa(-1 if isa is None else ISA_NAMES.index(isa))]
     return _isa
+
+
+def w13_rows() -> tuple[int, int]:
+    """(bf16, fp32): the gate/up rows computed by the AVX512-BF16 kernels and by the fp32 ones
+    since the last call (process-wide counts, then reset). For tests: which path ran."""
+    lib = _kernel.get()
+    if lib is None:
+        raise RuntimeError("the MXFP4 MoE kernel is not available")
+    out = (ctypes.c_int64 * 2)()
+    lib.mx_w13_rows(out)
+    return out[0], out[1]
 
 
 def _check(
@@ -224,6 +248,7 @@ def moe_mxfp4(
     experts_max: int,
     gemm_min_routes: int | None = None,
     fallback: Callable[..., Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """The routed experts of this rank (contract in the module docstring).
 
@@ -232,7 +257,9 @@ def moe_mxfp4(
     the fused kernel, 1 the GEMM path).
     fallback: what runs, after the same checks, when the kernel is unavailable (same arguments,
     without gemm_min_routes; e.g. ops/experts.experts_mxfp4_reference). None: that is an error.
+    out_dtype: the result's dtype (default x.dtype); float32 returns the fp32 sums unrounded.
     """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     lib = _kernel.get()
     if lib is None:
         if fallback is None:
@@ -243,7 +270,7 @@ def moe_mxfp4(
         _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, experts_min, experts_max)
         return fallback(
             x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, experts_min, experts_max
-        )
+        ).to(out_dtype)
     E, H, I = _check(
         x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, experts_min, experts_max
     )
@@ -288,4 +315,4 @@ def moe_mxfp4(
                 (w13, w13_scale, w2, w2_scale),
                 out,
             )
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)

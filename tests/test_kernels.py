@@ -3,7 +3,8 @@
 The oracle decodes with its own 16-entry E2M1 table and 2^(byte-127) scales (byte 255 = NaN) and
 runs the experts loop in float64, so it checks the kernel, the torch reference and the GEMM path
 alike. The kernel must build here: gcc is on every developer machine and in CI, so a build
-failure FAILS these tests instead of skipping them.
+failure FAILS these tests instead of skipping them; so does a code path the CPU supports (its
+/proc/cpuinfo flags) that the kernel does not take.
 """
 
 from __future__ import annotations
@@ -29,7 +30,22 @@ E2M1 = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
     dtype=torch.float64,
 )
-ISAS = ("scalar", "avx2", "avx512")
+ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
+# the /proc/cpuinfo flags that each path needs (mxfp4_moe.c best_isa)
+ISA_FLAGS = {
+    "scalar": set(),
+    "avx2": {"avx2", "fma"},
+    "avx512": {"avx512f"},
+    "avx512bf16": {"avx512f", "avx512bw", "avx512vbmi", "avx512_bf16"},
+}
+
+
+def cpu_flags() -> set[str] | None:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return None
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split()[2:]}
 
 
 def oracle_decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -88,11 +104,29 @@ def kernel():
     K.set_isa(None)
 
 
+def use_isa(kernel, name: str) -> None:
+    """Switch the kernel to `name`: skip if the CPU lacks it, FAIL if the CPU has it and the
+    kernel still does not take it (a dispatch bug must not pass as a skip)."""
+    if kernel.set_isa(name) == name:
+        return
+    flags = cpu_flags()
+    if flags is not None and ISA_FLAGS[name] <= flags:
+        pytest.fail(f"the CPU has {sorted(ISA_FLAGS[name])} but the kernel did not take {name}")
+    pytest.skip(f"this CPU has no {name}")
+
+
 @pytest.fixture(params=ISAS)
 def isa(request, kernel):
-    if kernel.set_isa(request.param) != request.param:
-        pytest.skip(f"this CPU has no {request.param}")
+    use_isa(kernel, request.param)
     yield request.param
+    kernel.set_isa(None)
+
+
+@pytest.fixture
+def bf16_isa(kernel):
+    use_isa(kernel, "avx512bf16")
+    kernel.w13_rows()  # counts from here
+    yield
     kernel.set_isa(None)
 
 
@@ -288,3 +322,129 @@ def test_disabled_kernel_falls_back_to_the_reference():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0 and "fallback ok" in r.stdout, r.stderr
+
+
+# ---------------------------------------------------------------- the AVX512-BF16 w13 path
+# With bf16 x it computes gate/up with vdpbf16ps, which reads denormal inputs as zero and flushes
+# denormal results: the kernel takes it only where neither can happen (mxfp4_moe.c bf16_exact)
+# and counts the rows each way (K.w13_rows), so these tests see which path ran.
+
+
+def fused_fp32(x, ids, tw, w, emin, emax):
+    return K.moe_mxfp4(x, ids, tw, *w, emin, emax, gemm_min_routes=1 << 30, out_dtype=torch.float32)
+
+
+def on_avx512(fn):
+    K.set_isa("avx512")
+    try:
+        return fn()
+    finally:
+        K.set_isa("avx512bf16")
+
+
+@pytest.mark.parametrize(
+    "H,I,T",
+    [(64, 32, 1), (256, 128, 1), (160, 96, 3), (256, 128, 5), (160, 96, 17), (64, 32, 64)]
+    + [(2048, 800, 19)],  # column chunks (see test_long_rows_go_by_column_chunks)
+)
+def test_bf16_path_matches_oracle_and_the_avx512_path(bf16_isa, H, I, T):
+    E, k, emin = 6, 4, 10
+    w = make_experts(E, H, I, seed=H + T, edge=False)  # scale bytes 120..130: bf16 is exact
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
+    ids, tw = routes(T, k, emin - 2, emin + E + 1, seed=T)
+    got = fused_fp32(x, ids, tw, w, emin, emin + E - 1)
+    bf16_rows, fp32_rows = K.w13_rows()
+    assert bf16_rows > 0 and fp32_rows == 0, (bf16_rows, fp32_rows)
+    assert_close(got, oracle_moe(x.float(), ids, tw, *w, emin, emin + E - 1))
+    assert_close(got, on_avx512(lambda: fused_fp32(x, ids, tw, w, emin, emin + E - 1)))
+
+
+def test_fp32_x_never_takes_the_bf16_path(bf16_isa):
+    w = make_experts(2, 64, 32, edge=False)
+    x, (ids, tw) = torch.randn(5, 64), routes(5, 2, 0, 1)
+    assert_close(fused_fp32(x, ids, tw, w, 0, 1), oracle_moe(x, ids, tw, *w, 0, 1))
+    assert K.w13_rows() == (0, 2 * 32 * 2)  # both experts' gate and up rows, in fp32
+
+
+@pytest.mark.parametrize("byte", [0, 1, 2, 127, 254])
+def test_bf16_path_edge_scale_bytes(bf16_isa, byte):
+    """test_edge_scale_bytes with bf16 x: up rows of scale bytes 0 and 1 (subnormal weights) and
+    2 (weights >= 2^-126, but products with x ~ 2^-10 would be subnormal) go to the fp32 kernels;
+    the gate rows (byte 127) and up rows of 127 and 254 (up to 1.5 * 2^127) stay on bf16."""
+    E, H, I, T = 2, 96, 64, 5
+    w13, s13, w2, s2 = make_experts(E, H, I, seed=byte, edge=False)
+    s13[:, :I] = 127
+    s13[:, I:] = byte
+    s2[:] = 254 - byte
+    (w13[:, I:] if byte == 254 else w2).bitwise_and_(0xBB)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(1))
+    if byte == 254:
+        x *= 2.0**-12
+    x = x.to(torch.bfloat16)
+    ids, tw = routes(T, 2, 0, E - 1)
+    w = (w13, s13, w2, s2)
+    got = fused_fp32(x, ids, tw, w, 0, E - 1)
+    bf16_rows, fp32_rows = K.w13_rows()
+    assert (bf16_rows, fp32_rows) == ((E * I, E * I) if byte <= 2 else (2 * E * I, 0))
+    assert_close(got, oracle_moe(x.float(), ids, tw, *w, 0, E - 1))
+
+
+def test_bf16_path_nan_scale_byte(bf16_isa):
+    E, H, I, T = 3, 64, 32, 6
+    w = make_experts(E, H, I, edge=False)
+    w[1][1, 0, 0] = 255  # expert 1, first gate row, first block: NaN
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [0, 2], [1, 2], [2, 0], [1, 1], [2, 2]], dtype=torch.int32)
+    tw = torch.rand(T, 2)
+    got = fused_fp32(x, ids, tw, w, 0, E - 1)
+    assert K.w13_rows()[1] > 0  # expert 1's gate rows: fp32
+    want = oracle_moe(x.float(), ids, tw, *w, 0, E - 1)
+    nan_rows = (ids == 1).any(dim=1)
+    assert torch.isnan(got[nan_rows]).all()
+    assert_close(got[~nan_rows], want[~nan_rows])
+
+
+def test_bf16_path_denormal_and_tiny_x_fall_back(bf16_isa):
+    """Cases where vdpbf16ps would lose everything, so the kernel must not use it: x of bf16
+    denormals (read as 0) under large weights; normal x so small that its products with the up
+    rows are fp32 denormals (flushed); subnormal up weights under large x. Large or small w2
+    scales bring each output back to a finite, nonzero size."""
+    E, H, I, T = 2, 64, 32, 4
+    w13, s13, w2, s2 = make_experts(E, H, I, seed=2, edge=False)
+    g = torch.Generator().manual_seed(2)
+    # bf16 denormals: exponent field 0, nonzero fraction (magnitudes 2^-133 .. 2^-127)
+    bits = torch.randint(1, 128, (T, H), generator=g) | (
+        torch.randint(0, 2, (T, H), generator=g) << 15
+    )
+    denormal = bits.to(torch.int16).view(torch.bfloat16)
+    assert (denormal.float().abs() < 2.0**-126).all() and (denormal != 0).all()
+    s13[:] = 250  # weights ~2^123: gate and up ~2^-7
+    s2[:] = 127
+    ids, tw = routes(T, 2, 0, E - 1, seed=2)
+    rows = len(ids.unique()) * I  # gate (or up) rows of the touched experts
+    cases = [(denormal, (w13, s13.clone(), w2, s2.clone()), (0, 2 * rows))]
+
+    def magnitudes(lo: float) -> torch.Tensor:  # |x| in [lo, 2 lo), random signs, bf16
+        x = torch.randn(T, H, generator=g).sign() * (1 + torch.rand(T, H, generator=g)) * lo
+        return x.to(torch.bfloat16)
+
+    # |x| ~ 2^-120 (normal), gate rows ~2^120 (gate O(1)), up rows ~2^-8: products ~2^-128
+    tiny = magnitudes(2.0**-120)
+    s13_tiny, s2_tiny = s13.clone(), s2.clone()
+    s13_tiny[:, :I] = 247
+    s13_tiny[:, I:] = 119
+    s2_tiny[:] = 250
+    cases.append((tiny, (w13, s13_tiny, w2, s2_tiny), (rows, rows)))
+    # subnormal up weights (byte 1: 0.5 * 2^-126 is a bf16 denormal, read as 0) times |x| in
+    # [2^10, 2^11): the products would be normal, the weights are not
+    big = magnitudes(2.0**10)
+    s13_big, s2_big = s13.clone(), s2.clone()
+    s13_big[:, :I] = 117
+    s13_big[:, I:] = 1
+    s2_big[:] = 245
+    w2_big = w2 & 0xBB  # |codes| <= 1.5: nothing overflows under 2^118
+    cases.append((big, (w13, s13_big, w2_big, s2_big), (rows, rows)))
+    for x, w, bf16_fp32_rows in cases:
+        got = fused_fp32(x, ids, tw, w, 0, E - 1)
+        assert K.w13_rows() == bf16_fp32_rows  # the gate rows of the last two stay on bf16
+        assert_close(got, oracle_moe(x.float(), ids, tw, *w, 0, E - 1))
