@@ -61,7 +61,11 @@ def register(p: argparse.ArgumentParser) -> None:
         default=[8, 16, 32, 64, 128],
         help="routes to one expert: fused vs decode + GEMM (empty: skip)",
     )
-    p.add_argument("--isa", choices=["scalar", "avx2", "avx512"], help="force the kernel's path")
+    p.add_argument(
+        "--isa",
+        choices=["scalar", "avx2", "avx512", "avx512bf16"],
+        help="force the kernel's path (avx512bf16 changes only bf16 x; this bench's x is fp32)",
+    )
     p.add_argument("--budget", type=float, default=0.5, help="seconds of repeats per point")
     p.add_argument("--json", "--output", dest="json", help="write all figures here")
     p.set_defaults(func=run)
