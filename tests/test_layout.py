@@ -14,7 +14,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # folder in the repository -> the package it installs as (pyproject's package-dir)
 FOLDERS = {
     "dist_glm5": "dist_glm5",
-    "kernels": "dist_glm5.kernels",
     "engine": "dist_glm5.engine",
     "stages": "dist_glm5.stages",
     "convert": "dist_glm5.convert",
@@ -254,10 +253,11 @@ def test_the_rules_and_the_circle_check_catch_violations(tmp_path):
         "dist_glm5/sampling/grammar.py": "import dist_glm5.checkpoint.tokenizer\n",
         "dist_glm5/checkpoint/__init__.py": "",
         "dist_glm5/backends/__init__.py": "from dist_glm5.kernels import mxfp4_moe\n",
-        "kernels/__init__.py": "",
-        "kernels/mxfp4_moe.py": "from dist_glm5.ops.experts import REFERENCE\n",
-        "kernels/dsa_select.py": "from dist_glm5 import backends\n",
-        "kernels/tools/setup.py": "from dist_glm5.backends import hpu\n",  # no package: ignored
+        "dist_glm5/kernels/__init__.py": "",
+        "dist_glm5/kernels/mxfp4_moe.py": "from dist_glm5.ops.experts import REFERENCE\n",
+        "dist_glm5/kernels/dsa_select.py": "from dist_glm5 import backends\n",
+        # a folder without __init__.py is no package: ignored
+        "dist_glm5/kernels/tools/setup.py": "from dist_glm5.backends import hpu\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ import torch
 
 log = logging.getLogger(__name__)
 LIB_ENV = "DIST_GLM5_HPU_CUSTOM_OPS"
-TPC_DIR = Path(__file__).resolve().parents[3] / "kernels" / "tpc"
+TPC_DIR = Path(__file__).resolve().parents[2] / "kernels" / "tpc"
 HABANA_TPC = "/usr/lib/habanalabs/libtpc_kernels.so"
 PERM_BLOCK = 512
 

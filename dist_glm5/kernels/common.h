@@ -1,6 +1,6 @@
 /* What every CPU kernel here shares: the ISA clones, an 8-lane fp32 vector, its horizontal sum and
  * the bf16 <-> fp32 conversions (torch's rounding). A header, not a library: each kernel inlines
- * these into its own target clones. kernels/build.py hashes it with each source that includes it. */
+ * these into its own target clones. dist_glm5/kernels/build.py hashes it with each source that includes it. */
 #ifndef DIST_GLM5_COMMON_H
 #define DIST_GLM5_COMMON_H
 #include <stdint.h>
