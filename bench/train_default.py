@@ -32,6 +32,19 @@ def register(p: argparse.ArgumentParser) -> None:
         help="share of rows whose position ids jump once (PoSE; 0: the committed recipe)",
     )
     p.add_argument(
+        "--indent-weight",
+        type=float,
+        default=0.0,
+        help="extra LM weight on the bytes that decide a line's indentation (0: the committed "
+        "recipe)",
+    )
+    p.add_argument(
+        "--line-heads",
+        action="store_true",
+        help="supervise two heads to read the previous line's indentation and last byte (off: "
+        "the committed recipe)",
+    )
+    p.add_argument(
         "--export-only",
         action="store_true",
         help="export the run's last saved step to --export and stop (gate a run as it goes)",
@@ -57,5 +70,7 @@ def run(args: argparse.Namespace) -> int:
         save_every=args.save_every,
         export_to=Path(args.export) if args.export else None,
         skip_p=args.skip_p,
+        indent_weight=args.indent_weight,
+        line_heads=args.line_heads,
     )
     return 0

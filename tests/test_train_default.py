@@ -31,8 +31,8 @@ TINY = dict(
 S = 96
 
 
-def _trainer():
-    tr = td.Trainer(td.hf_config(TINY), seed=0)
+def _trainer(line_heads: bool = False):
+    tr = td.Trainer(td.hf_config(TINY), seed=0, line_heads=line_heads)
     tr.rows_gen.manual_seed(0)
     return tr
 
@@ -166,6 +166,76 @@ def test_column_targets_match_a_line_by_line_count():
         text = bytes(rng.choice(b"  \n\nab:") for _ in range(rng.randint(1, 60)))
         run, indent = td.column_targets(torch.tensor([list(text)]), 5)
         assert (run[0].tolist(), indent[0].tolist()) == _columns_by_hand(text, 5), text
+
+
+def _indent_by_hand(text: bytes) -> list[bool]:
+    """The bytes that decide a line's indentation, line by line: after each newline, its
+    spaces and the byte that ends them (a blank line's newline too)."""
+    want = [False] * len(text)
+    for nl in [i for i, c in enumerate(text) if c == 10]:
+        j = nl + 1
+        while j < len(text) and text[j] == 32:
+            want[j] = True
+            j += 1
+        if j < len(text):
+            want[j] = True
+    return want
+
+
+def test_indent_targets_match_a_line_by_line_walk():
+    rng = random.Random(1)
+    for _ in range(50):
+        text = bytes(rng.choice(b"  \n\nab:") for _ in range(rng.randint(1, 60)))
+        got = td.indent_targets(torch.tensor([list(text)]))[0].tolist()
+        assert got == _indent_by_hand(text), text
+
+
+def _line_keys_by_hand(text: bytes) -> tuple[list[int], list[int]]:
+    """line_keys walked line by line: the rows are a line's opening newline and its leading
+    spaces; the keys come from the last non-blank line before it whose start the row holds."""
+    ik, ek = [-1] * len(text), [-1] * len(text)
+    nls = [i for i, c in enumerate(text) if c == 10]
+    for n, nl in enumerate(nls):
+        rows = [nl]
+        j = nl + 1
+        while j < len(text) and text[j] == 32:
+            rows.append(j)
+            j += 1
+        # the non-blank lines that end at or before nl and start after a newline in the row
+        for m in range(n - 1, -1, -1):
+            a, b = nls[m] + 1, nl if m == n - 1 else nls[m + 1]
+            line = text[a:b]
+            if line.strip(b" "):
+                first = a + (len(line) - len(line.lstrip(b" ")))
+                code = [i for i in range(a, nl) if text[i] not in b" \n"]
+                for r in rows:
+                    ik[r], ek[r] = first - 1, code[-1]
+                break
+    return ik, ek
+
+
+def test_line_keys_match_a_line_by_line_walk():
+    rng = random.Random(2)
+    for _ in range(100):
+        text = bytes(rng.choice(b"   \n\nab:") for _ in range(rng.randint(1, 60)))
+        ik, ek = td.line_keys(torch.tensor([list(text)]))
+        assert (ik[0].tolist(), ek[0].tolist()) == _line_keys_by_hand(text), text
+
+
+def test_line_heads_are_told_to_read_their_keys_and_the_indexer_to_rank_them():
+    """With line heads on, one step has both line losses (finite, graph kept to the heads'
+    query and key) and the indexer's loss grows by the line keys' ranking."""
+    tr = _trainer(line_heads=True)
+    ids = torch.tensor([list(b"def f(x):\n    if x:\n        return 1\n    return 2\n" * 2)])
+    tr.losses(ids)
+    sup = tr.attention_supervision(ids, torch.full_like(ids, -1))
+    assert set(td.LINE_LOSSES) <= sup.keys()
+    (sup["line_indent"] + sup["line_end"]).backward()
+    att = tr.model.model.layers[td.INDENT_LAYER].self_attn
+    assert att.q_b_proj.weight.grad.any() and att.kv_a_proj_with_mqa.weight.grad.any()
+    off = _trainer()
+    off.losses(ids)
+    assert not set(td.LINE_LOSSES) & off.attention_supervision(ids, torch.full_like(ids, -1)).keys()
 
 
 def test_column_supervision_trains_the_window_head_and_its_read_outs():

@@ -137,6 +137,7 @@ SUPERVISION = (
     "tag",
     "json",
 )  # attention_supervision's and structure_losses' losses, weight 1
+LINE_LOSSES = ("line_indent", "line_end")  # attention_supervision's with line heads, weight 1
 # Attention supervision (see Trainer.attention_supervision): heads h of OFFSET_LAYER read the byte
 # OFFSETS[h] back; head 0 of INDUCTION_LAYER reads the byte after the earlier occurrence of the
 # current context. INDUCTION_LAYER has a full indexer (its selection must find that byte).
@@ -153,8 +154,18 @@ OFFSET_LAYER, OFFSETS, INDUCTION_LAYER = 0, (1, 2, 3), 2
 # the run of spaces ending at each byte, and from INDENT_LAYER's output, on a line's newline and
 # leading spaces, how far that line is indented (both clipped at COLUMN_WINDOW).
 COLUMN_HEAD, COLUMN_WINDOW, INDENT_LAYER = len(OFFSETS), 16, 2
+# Lines (off unless asked: --line-heads). With the column read-outs alone greedy code still wrote
+# spaces: p1 (PoSE, seed 1) at step 3,010 gave the next space 0.43 after the 8 spaces a for
+# loop's body takes and 0.98 one space later, and its indent read-out stayed near 0.8 nats. A
+# line's indentation is the previous non-blank line's, one level deeper after a colon, so heads
+# LINE_HEADS of INDENT_LAYER are told to read, on a line's newline and leading spaces, the last
+# indentation byte of that previous line (its run of spaces, from OFFSET_LAYER, is the
+# indentation) and the last byte before the newline (the colon); INDENT_LAYER has a full
+# indexer, told to select those keys as it is the induction key.
+LINE_HEADS = (1, 2)
 # the keys every full indexer's selection keeps in sparse joint steps (forced_keys): how far back
 FORCED_BACK = sorted(set(OFFSETS) | set(range(1, COLUMN_WINDOW)))
+assert INDENT_LAYER == INDUCTION_LAYER  # the line heads' keys are ranked by its indexer
 INDUCTION_LR = 4.0  # x the base rate for the induction layer's attention (its slow bilinear start)
 BIAS_RATE = 1e-3
 # The assistant's ids of chat rows (calls, JSON replies, answers, <eos>) count 1 + REPLY_WEIGHT
@@ -309,17 +320,20 @@ def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t.gather(1, rows[..., None].expand(-1, -1, t.shape[-1]))
 
 
-def forced_keys(induction: torch.Tensor, with_induction: bool) -> torch.Tensor:
+def forced_keys(
+    induction: torch.Tensor, with_induction: bool, extra: tuple[torch.Tensor, ...] = ()
+) -> torch.Tensor:
     """[B, S, F] keys a row's selection keeps in sparse joint steps, -1: none: the neighbours
-    FORCED_BACK back (OFFSETS and the column head's window; every full indexer's) and the row's
-    induction key (-1 off repeats) where with_induction. The model then learns from the keys its
-    heads are told to read while the indexers learn to find them; at inference the indexer alone
-    selects."""
+    FORCED_BACK back (OFFSETS and the column head's window; every full indexer's), the row's
+    induction key (-1 off repeats) where with_induction, and any `extra` [B, S] keys (the line
+    heads'). The model then learns from the keys its heads are told to read while the indexers
+    learn to find them; at inference the indexer alone selects."""
     B, S = induction.shape
     t = torch.arange(S)
     keys = [(t - k).where(t >= k, -1).expand(B, S) for k in FORCED_BACK]
     if with_induction:
         keys.append(induction)
+    keys.extend(extra)
     return torch.stack(keys, -1)
 
 
@@ -386,11 +400,13 @@ def _indexer_forward(
 
 
 class Trainer:
-    def __init__(self, cfg, seed: int):
+    def __init__(self, cfg, seed: int, line_heads: bool = False):
         from transformers import GlmMoeDsaForCausalLM
 
         torch.manual_seed(seed)
         self.cfg = cfg
+        self.line_heads = line_heads  # LINE_HEADS supervised (see LINE_HEADS)
+        self.lines: tuple[torch.Tensor, torch.Tensor] | None = None  # line_keys of the last call
         self.model = GlmMoeDsaForCausalLM(cfg).float()
         self.mtp = MTPBlock(cfg).float()
         self.mtp.apply(self.model._init_weights)
@@ -408,6 +424,7 @@ class Trainer:
                 self.indexers.append(i)
         self.heads: dict[int, torch.Tensor] = {}  # supervised layers' weights, graph kept
         self.values: dict[int, torch.Tensor] = {}  # their heads' outputs (o_proj's input)
+        assert INDENT_LAYER in (OFFSET_LAYER, INDUCTION_LAYER)  # the line heads' weights are kept
         for i in (OFFSET_LAYER, INDUCTION_LAYER):
             layers[i].self_attn.register_forward_hook(self._keep_head(i))
             layers[i].self_attn.o_proj.register_forward_hook(self._keep_value(i))
@@ -516,6 +533,14 @@ class Trainer:
             out["lm_copy"] = F.cross_entropy(self.logits[want], nxt[want])
         else:
             out["ind"] = out["copy"] = out["lm_copy"] = ind.sum() * 0.0
+        if self.lines is not None:
+            for name, h, key in zip(LINE_LOSSES, LINE_HEADS, self.lines):
+                want = key >= 0
+                a = self.heads[INDENT_LAYER][:, h].gather(-1, key.clamp_min(0)[..., None])
+                # a far smaller floor than the others': these heads are trained ones, whose
+                # weight on the key starts far below 1e-6, where that floor passes no gradient
+                lw = torch.log(a.squeeze(-1).clamp_min(1e-30))
+                out[name] = -lw[want].mean() if want.any() else lw.sum() * 0.0
         out["index"] = self.index_loss(induction)
         return out
 
@@ -568,10 +593,21 @@ class Trainer:
             return torch.zeros(())
         return F.cross_entropy(self.logits[:, :-1][want], ids[:, 1:][want])
 
+    def indent_loss(self, ids: torch.Tensor) -> torch.Tensor:
+        """The LM loss again on the bytes that decide a line's indentation (indent_targets),
+        from the logits of the last `losses` call; 0 without any."""
+        want = indent_targets(ids)[:, 1:]
+        if not want.any():
+            return torch.zeros(())
+        return F.cross_entropy(self.logits[:, :-1][want], ids[:, 1:][want])
+
     def index_loss(self, induction: torch.Tensor) -> torch.Tensor:
         """The indexers' supervision: the induction key first (INDUCTION_LAYER's), the
         neighbours OFFSETS back first (every full indexer's)."""
-        return self._index_induction(induction >= 0, induction) + self._index_local()
+        total = self._index_induction(induction >= 0, induction) + self._index_local()
+        for key in self.lines or ():  # the line heads' keys, likewise
+            total = total + self._index_induction(key >= 0, key) / len(LINE_HEADS)
+        return total
 
     def _index_local(self) -> torch.Tensor:
         """-log softmax of every full indexer's scores at the keys OFFSETS back, on its KL rows:
@@ -696,9 +732,11 @@ class Trainer:
         indexer's selection keeps the keys its supervision names (forced_keys); pos [B, S]: the
         rows' position ids (skip_positions; default 0..S-1)."""
         B, S = ids.shape
+        self.lines = line_keys(ids) if self.line_heads else None
         for i in self.indexers:  # not the MTP layer's (S - 1 rows, no supervised heads)
             main = i < self.cfg.num_hidden_layers and induction is not None
-            force = forced_keys(induction, i == INDUCTION_LAYER) if main else None
+            extra = self.lines if self.lines is not None and i == INDENT_LAYER else ()
+            force = forced_keys(induction, i == INDUCTION_LAYER, extra) if main else None
             self._layer(i).self_attn.indexer.force = force
         m = self.model.model
         if pos is None:
@@ -851,6 +889,49 @@ def column_targets(ids: torch.Tensor, clip: int) -> tuple[torch.Tensor, torch.Te
     return run, indent
 
 
+def indent_targets(ids: torch.Tensor) -> torch.Tensor:
+    """ids [B, S] -> [B, S] bool: the bytes that decide how far a line is indented: its leading
+    spaces and the byte after them (its first non-space, or the newline of a blank line), on
+    lines that start inside the row."""
+    B, S = ids.shape
+    t = torch.arange(S).expand(B, S)
+    space, newline = ids == 32, ids == 10
+    last_nl = torch.where(newline, t, -1).cummax(1).values
+    last_other = torch.where(space | newline, -1, t).cummax(1).values
+    # a leading space: its line started (after a newline in the row) with spaces only so far
+    leading = space & (last_nl >= 0) & (last_other < last_nl)
+    prev_lead = torch.zeros_like(leading)
+    prev_lead[:, 1:] = leading[:, :-1] | newline[:, :-1]
+    return leading | (~space & prev_lead)
+
+
+def line_keys(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, S] -> (indent_key, end_key), each [B, S], -1 where none: on a line's newline and
+    leading spaces (the rows column_targets' indent names), the last indentation byte of the
+    previous non-blank line (the byte before its first non-space: a space, or its newline) and
+    the last byte before the line other than spaces and newlines; -1 elsewhere, and for lines
+    whose previous line started before the row."""
+    B, S = ids.shape
+    t = torch.arange(S).expand(B, S)
+    space, newline = ids == 32, ids == 10
+    code = ~space & ~newline
+    last_nl = torch.where(newline, t, -1).cummax(1).values
+    last_code = torch.where(code, t, -1).cummax(1).values
+    start = torch.where(newline, t + 1, last_nl + 1)  # where t's line starts (as column_targets)
+    lead = newline | (space & (last_code < start) & (last_nl >= 0))
+    # a non-blank line's first non-space: code, after a newline seen in the row, nothing but
+    # spaces between
+    prev_code = torch.cat([torch.full((B, 1), -1), last_code[:, :-1]], 1)
+    first = code & (last_nl >= 0) & (prev_code < last_nl)
+    last_first = torch.where(first, t, -1).cummax(1).values
+    before = (start - 1).clamp_min(0)
+    f = torch.where(start > 0, last_first.gather(1, before), -1)
+    end = torch.where(start > 0, last_code.gather(1, before), -1)
+    indent_key = torch.where(lead & (f > 0), f - 1, -1)
+    end_key = torch.where(lead & (f > 0), end, -1)  # the same rows: a line seen whole
+    return indent_key, end_key
+
+
 def phase_of(step: int) -> Phase:
     for ph in PHASES:
         if step < ph.end:
@@ -876,11 +957,15 @@ def train(
     save_every: int = 25,
     export_to: Path | None = None,
     skip_p: float = 0.0,
+    indent_weight: float = 0.0,
+    line_heads: bool = False,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
     checkpoint there when done. skip_p: the share of rows whose position ids jump
-    (skip_positions; 0: none, the committed recipe)."""
+    (skip_positions; 0: none, the committed recipe); indent_weight: the bytes that decide a
+    line's indentation (indent_targets) count 1 + indent_weight times in the LM loss (0: the
+    committed recipe); line_heads: supervise LINE_HEADS (off: the committed recipe)."""
     from tqdm import tqdm
 
     steps = PHASES[-1].end if steps is None else steps
@@ -888,7 +973,7 @@ def train(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config()
-    tr = Trainer(cfg, seed)
+    tr = Trainer(cfg, seed, line_heads)
     data = Data(seed)
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
     state_path, step = out / "state.pt", 0
@@ -930,7 +1015,11 @@ def train(
             ls["reply"] = tr.reply_loss(ids, reply)
             mtp = ls["mtp"] + MTP_DISTILL * ls["mtp_kl"]
             loss = ls["lm"] + MTP_WEIGHT * mtp + ls["kl"] + sum(ls[k] for k in SUPERVISION)
+            loss = loss + sum(ls[k] for k in LINE_LOSSES if k in ls)
             loss = loss + REPLY_WEIGHT * ls["reply"]
+            if indent_weight:
+                ls["indent_lm"] = tr.indent_loss(ids)
+                loss = loss + indent_weight * ls["indent_lm"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model_params, 1.0)
