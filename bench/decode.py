@@ -182,15 +182,19 @@ def bound_ms(cfg, context: int, bandwidth: float, experts_mxfp4: bool) -> tuple[
 
 def run(args: argparse.Namespace) -> int:
     from dist_glm5.checkpoint.loader import load_model
+    from dist_glm5.model.dsa_config import DSAConfig
     from dist_glm5.obs.bandwidth import read_bandwidth
     from dist_glm5.ops import reference_ops
 
     bf16_dir, mx_dir = small_model_dirs()
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, SMALL["vocab_size"], (args.prompt_len,), generator=g).tolist()
+    # sparse DSA, as every command runs (the default, dense, is the reference attention: the
+    # planned decode step declines it and the modules run every op)
+    sparse = DSAConfig(mode="sparse")
     models = {
-        "mxfp4": load_model(mx_dir, ops=get_backend("cpu").ops()),
-        "bf16": load_model(bf16_dir, ops=get_backend("cpu").ops()),
+        "mxfp4": load_model(mx_dir, ops=get_backend("cpu").ops(), dsa=sparse),
+        "bf16": load_model(bf16_dir, ops=get_backend("cpu").ops(), dsa=sparse),
     }
     cfg = models["bf16"].cfg
     n_params = sum(t.numel() for t in models["bf16"].state_dict().values())
@@ -211,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
             res[name] |= {"bound_ms": ms, "bytes_per_step": b}
             res[name]["of_bound"] = res[name]["decode_ms"] / ms
         if args.reference_tokens > 1:
-            ref = load_model(mx_dir, ops=reference_ops())
+            ref = load_model(mx_dir, ops=reference_ops(), dsa=sparse)
             res["mxfp4_reference"] = measure_ours(ref, prompt, args.reference_tokens, 1)
             del ref
         if hf is not None:
