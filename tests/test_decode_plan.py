@@ -124,6 +124,29 @@ def test_planned_steps_give_the_modules_bits(fmt, rows, mxfp4_dir):
     assert taken == [5]  # every decode step planned (the prefills declined)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_w4a8_experts_planned_give_the_modules_bits(rows, mxfp4_dir, monkeypatch):
+    """DIST_GLM5_EXPERTS=w4a8 (the int8-activation kernel): the plan calls it as the modules do."""
+    from dist_glm5.backends.cpu import cpu_ops
+    from dist_glm5.kernels import mxfp4_w4a8
+
+    monkeypatch.setenv("DIST_GLM5_EXPERTS", "w4a8")
+    cpu_ops.cache_clear()  # the backend's ops are made once per process
+    try:
+        m = _model(mxfp4_dir)
+        assert m.ops.experts.mxfp4 is mxfp4_w4a8.moe_mxfp4_w4a8
+        taken = _same(_decode([m], False, rows), _decode([m], True, rows))
+        assert taken == [5]
+        monkeypatch.delenv("DIST_GLM5_EXPERTS")
+        cpu_ops.cache_clear()
+        exact = _model(mxfp4_dir)
+        assert exact.ops.experts.mxfp4 is not mxfp4_w4a8.moe_mxfp4_w4a8
+        # and it is not the exact kernel's step
+        assert not torch.equal(_decode([exact], True, rows)[0][-1], _decode([m], True, rows)[0][-1])
+    finally:
+        cpu_ops.cache_clear()
+
+
 def test_the_mtp_layer_planned_gives_the_modules_bits(mxfp4_dir):
     m = _model(mxfp4_dir)
     taken = _same(_decode([m], False, 2, mtp=True), _decode([m], True, 2, mtp=True))

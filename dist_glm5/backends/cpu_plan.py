@@ -29,6 +29,7 @@ from dist_glm5.kernels import (
     mla_decode,
     mla_project,
     mxfp4_moe,
+    mxfp4_w4a8,
     norm_rope,
     router,
 )
@@ -187,8 +188,12 @@ def plan(model):
             ex = lay.mlp.experts
             mx = hasattr(ex, "w13_weight_scale")
             op = ops.experts.mxfp4 if mx else ops.experts.dense
+            if mx and _is(op, mxfp4_w4a8.moe_mxfp4_w4a8):  # the opt-in int8-activation kernel
+                if mxfp4_w4a8._kernel.get() is None:
+                    return None
+                continue
             if not _is(op, mxfp4_moe.moe_mxfp4 if mx else bf16_gemv.experts):
-                return None  # another experts kernel (w4a8) or the reference: the modules' step
+                return None  # the reference: the modules' step
             if mx and mxfp4_moe._kernel.get() is None:
                 return None
     mtp = None
@@ -224,6 +229,9 @@ class DecodePlan:
                                                     router))  # fmt: skip
         self.gemv, self.sel, self.dec, self.norm, self.route = g, d, m, n, r
         self.mx = mxfp4_moe._kernel.get()
+        # DIST_GLM5_EXPERTS=w4a8 (ops/experts.py): the int8-activation kernel, as the modules call
+        w4 = _is(model.ops.experts.mxfp4, mxfp4_w4a8.moe_mxfp4_w4a8)
+        self.w4 = mxfp4_w4a8._kernel.get() if w4 else None
 
     def takes(self, x: torch.Tensor, batch, cache, keep, layers) -> bool:
         T = batch.num_tokens
@@ -391,6 +399,16 @@ class DecodePlan:
             if rc != 0:
                 raise MemoryError("bf16_gemv.experts: no memory for its buffers")
             return out
+        if self.w4 is not None:  # moe_mxfp4_w4a8's call (it has no GEMM path)
+            out = torch.empty(T, H, dtype=torch.float32)
+            w13, s13, w2, s2 = L.ex
+            rc = self.w4.w4_moe_forward(
+                h.data_ptr(), 1, T, H, L.inter, k, ids.data_ptr(), w.data_ptr(), L.lo, L.n_local,
+                w13, s13, w2, s2, out.data_ptr(), nt,
+            )  # fmt: skip
+            if rc != 0:
+                raise MemoryError("w4_moe_forward could not allocate its scratch buffers")
+            return out.to(BF16)
         thr = mxfp4_moe.gemm_threshold()
         if T * k >= thr:  # some expert may take the GEMM path: the module's op does both
             return L.module.mlp.experts(h, w, ids)
