@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -365,6 +366,12 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32], help="batched-bench")
     p.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
     p.add_argument("--repeats", type=int, default=3, help="llama-bench -r; ours: best of N")
+    p.add_argument(
+        "--w4a8",
+        action="store_true",
+        help="also ours with the opt-in int8-activation experts kernel (DIST_GLM5_EXPERTS=w4a8), "
+        "against llama.cpp's MXFP4 files (whose experts also read int8 activations)",
+    )
     p.add_argument("--output", help="write the results as JSON here")
     p.set_defaults(func=run)
 
@@ -405,8 +412,12 @@ def table(res: dict, args) -> list[dict]:
     rows = []
     for nt, per in res["threads"].items():
         ours = per["ours"]
-        for fmt in args.formats:
-            mine, lc = ours[FORMATS[fmt][0]], per["llama"][fmt]
+        for fmt, mine_fmt in [
+            (f, m) for f in args.formats for m in (FORMATS[f][0], "w4a8") if m in ours
+        ]:
+            if mine_fmt == "w4a8" and fmt == "bf16":
+                continue
+            mine, lc = ours[mine_fmt], per["llama"][fmt]
             pairs = []
             for r in lc["bench"]:
                 if r["test"] == "pp" and r["depth"] == 0:
@@ -427,7 +438,7 @@ def table(res: dict, args) -> list[dict]:
                     {
                         "threads": nt,
                         "llama_format": fmt,
-                        "ours_format": FORMATS[fmt][0],
+                        "ours_format": mine_fmt,
                         "what": what,
                         "ours_tok_s": o,
                         "llama_tok_s": r["tok_s"],
@@ -471,6 +482,12 @@ def run(args: argparse.Namespace) -> int:
             "mxfp4": load_model(mx_dir, ops=ops, dsa=sparse),
             "bf16": load_model(bf16_dir, ops=ops, dsa=sparse),
         }
+        if args.w4a8:
+            from dist_glm5.kernels.mxfp4_w4a8 import moe_mxfp4_w4a8
+            from dist_glm5.ops.experts import ExpertsOps
+
+            w4 = ExpertsOps("cpu-w4a8", moe_mxfp4_w4a8, ops.experts.dense)
+            models["w4a8"] = load_model(mx_dir, ops=replace(ops, experts=w4), dsa=sparse)
         res: dict = {"threads": {}, "llama_cpp": f"b{TAG}"}
         res["files"] = {k: str(v) for k, v in files.items()}
         for nt in args.threads:

@@ -164,6 +164,22 @@ def test_table_pairs_each_llama_row_with_ours_at_the_same_depth_and_batch():
     assert rows["batched decode B=32"]["not_measured"] == "not run at this batch"
 
 
+def test_table_pairs_ours_w4a8_with_llama_cpp_mxfp4_files_only():
+    import argparse
+
+    from dist_glm5.bench.peers import table
+
+    lc = {"bench": parse_llama_bench(LLAMA_BENCH_JSON), "batched": []}
+    mine = {"decode_tok_s": 20.0, "prefill_tok_s": 100.0, "depth": {4096: 16.0}, "batched": {}}
+    ours = {"bf16": mine, "mxfp4": mine, "w4a8": {**mine, "depth": {4096: 32.0}}}
+    per = {"ours": ours, "llama": {f: lc for f in ("bf16", "mxfp4_moe")}}
+    rows = table({"threads": {1: per}}, argparse.Namespace(formats=["bf16", "mxfp4_moe"]))
+    pairs = {(r["llama_format"], r["ours_format"]) for r in rows}
+    assert pairs == {("bf16", "bf16"), ("mxfp4_moe", "mxfp4"), ("mxfp4_moe", "w4a8")}
+    deep = [r for r in rows if r["ours_format"] == "w4a8" and "4096" in r["what"]]
+    assert deep[0]["ratio"] == pytest.approx(32.0 / 33.259251)
+
+
 def test_measure_ours_steps_decodes_greedy_tokens_after_each_prompt(default_model):
     # the aggregate step it times continues each sequence where its prompt ended: the same
     # greedy tokens as the reference loop's generate (checked through a spy on the model)
