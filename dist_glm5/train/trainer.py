@@ -49,13 +49,12 @@ Checkpoints every --save-every steps to <out>/state.pt; rerunning the command re
 One torch thread by default: on this machine's 2 cores, shared with other jobs, two threads made a
 step about 7x slower (oversubscribed OpenMP), one thread ~1.5 s for 2,048 tokens of phase one.
 
-Run the recipe (about 85 min here); the shipped weights are this command with --seed 1:
-    dist-glm5 bench train-default --out RUN --seed 1 \\
+Run the recipe (2 h 36 min on one thread here); the shipped weights are this command:
+    dist-glm5 bench train-default --out RUN --seed 1 --skip-p 0.5 \\
         --export dist_glm5/checkpoint/default_model/trained
-Runs of it (docs/trained_default.md): seed 1 (shipped) held-out 1.57 nats/byte, the CI needle at 3K
-found; seed 2 held-out 1.68, the needle found; seed 0 held-out 1.70, the needle 4 bytes of 6
-right. The seeds part in the last 20 steps at 4,096 bytes (rows past the dense phases' 2,048):
-their offset loss came out at 3.0 nats (seed 0), 0.2 (seed 1) and 1.9 (seed 2).
+(run p1 in docs/trained_default.md: held-out 1.570 nats/byte; tools 21/21, json_object 9/10,
+json_schema 10/10, needles 5/6 at 4K and at 16K; greedy code still spaces; MTP acceptance 0.71).
+Earlier runs without the skips: seeds 0-2 held-out 1.55-1.70, no needle found past 2K.
 """
 
 from __future__ import annotations
