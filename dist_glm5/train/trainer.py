@@ -68,6 +68,7 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -584,21 +585,22 @@ class Trainer:
             "json": F.cross_entropy(self.structure["json"](h).flatten(0, 1), js.flatten()),
         }
 
-    def reply_loss(self, ids: torch.Tensor, reply: torch.Tensor) -> torch.Tensor:
-        """The LM loss again on the assistant's ids of chat rows (reply [B, S] bool: whether ids
-        [B, S] is the assistant's), from the logits of the last `losses` call; 0 without any."""
-        want = reply[:, 1:]
+    def _lm_again(self, ids: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+        """The LM loss again on the ids where want [B, S] (bool), from the logits of the last
+        `losses` call; 0 without any."""
+        want = want[:, 1:]
         if not want.any():
             return torch.zeros(())
         return F.cross_entropy(self.logits[:, :-1][want], ids[:, 1:][want])
 
+    def reply_loss(self, ids: torch.Tensor, reply: torch.Tensor) -> torch.Tensor:
+        """The LM loss again on the assistant's ids of chat rows (reply [B, S] bool: whether ids
+        [B, S] is the assistant's)."""
+        return self._lm_again(ids, reply)
+
     def indent_loss(self, ids: torch.Tensor) -> torch.Tensor:
-        """The LM loss again on the bytes that decide a line's indentation (indent_targets),
-        from the logits of the last `losses` call; 0 without any."""
-        want = indent_targets(ids)[:, 1:]
-        if not want.any():
-            return torch.zeros(())
-        return F.cross_entropy(self.logits[:, :-1][want], ids[:, 1:][want])
+        """The LM loss again on the bytes that decide a line's indentation (indent_targets)."""
+        return self._lm_again(ids, indent_targets(ids))
 
     def index_loss(self, induction: torch.Tensor) -> torch.Tensor:
         """The indexers' supervision: the induction key first (INDUCTION_LAYER's), the
@@ -864,27 +866,43 @@ def induction_targets(doc: bytes, src: list[int]) -> list[int]:
     return out
 
 
+class Lines(NamedTuple):
+    """A row's lines, per byte ([B, S] each), as the column, indent and line targets read them."""
+
+    t: torch.Tensor  # the byte's position
+    space: torch.Tensor
+    newline: torch.Tensor
+    last_nl: torch.Tensor  # the newline at or before t (-1: none in the row)
+    last_other: torch.Tensor  # the last non-space at or before t (newlines count)
+    start: torch.Tensor  # where t's line starts (t itself on a newline: the next line)
+    lead: torch.Tensor  # t is a line's newline or a leading space of a line begun in the row
+
+
+def lines_of(ids: torch.Tensor) -> Lines:
+    B, S = ids.shape
+    t = torch.arange(S).expand(B, S)
+    space, newline = ids == 32, ids == 10
+    last_nl = torch.where(newline, t, -1).cummax(1).values
+    last_other = torch.where(space, -1, t).cummax(1).values
+    start = torch.where(newline, t + 1, last_nl + 1)
+    # a row opening mid-line: its first line's start is not seen, nor its leading spaces
+    lead = newline | (space & (last_other < start) & (last_nl >= 0))
+    return Lines(t, space, newline, last_nl, last_other, start, lead)
+
+
 def column_targets(ids: torch.Tensor, clip: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [B, S] -> (run, indent), each [B, S]: run[t] = how many spaces end at t (t included);
     indent[t] = how many spaces open the line that t's newline or leading spaces belong to (on
     those rows; -100 elsewhere, on the row's first line and where the spaces run past the row);
     both clipped at clip."""
-    B, S = ids.shape
-    t = torch.arange(S).expand(B, S)
-    space, newline = ids == 32, ids == 10
-    last_other = torch.where(space, -1, t).cummax(1).values  # the last non-space at or before t
-    run = (t - last_other).clamp_max(clip)
-    # a line starts after a newline (or at the row's start): its leading spaces end at the first
-    # non-space at or after that start
-    nxt_other = torch.where(space, S, t).flip(1).cummin(1).values.flip(1)  # first non-space >= t
-    last_nl = torch.where(newline, t, -1).cummax(1).values  # the newline at or before t
-    start = last_nl + 1  # where t's line starts (t itself on a newline: the next line)
-    start = torch.where(newline, t + 1, start)
-    end = nxt_other.gather(1, start.clamp_max(S - 1)) if S else start
-    end = torch.where(start >= S, S, end)
-    lead = newline | (space & (last_other < start))  # the newline, or a leading space
-    ok = lead & (end < S) & (start > 0)  # a row opening mid-line: its start is not seen
-    indent = torch.where(ok, (end - start).clamp_max(clip), -100)
+    S = ids.shape[1]
+    L = lines_of(ids)
+    run = (L.t - L.last_other).clamp_max(clip)
+    # a line's leading spaces end at the first non-space at or after its start
+    nxt_other = torch.where(L.space, S, L.t).flip(1).cummin(1).values.flip(1)
+    end = nxt_other.gather(1, L.start.clamp_max(S - 1)) if S else L.start
+    end = torch.where(L.start >= S, S, end)
+    indent = torch.where(L.lead & (end < S), (end - L.start).clamp_max(clip), -100)
     return run, indent
 
 
@@ -892,16 +910,10 @@ def indent_targets(ids: torch.Tensor) -> torch.Tensor:
     """ids [B, S] -> [B, S] bool: the bytes that decide how far a line is indented: its leading
     spaces and the byte after them (its first non-space, or the newline of a blank line), on
     lines that start inside the row."""
-    B, S = ids.shape
-    t = torch.arange(S).expand(B, S)
-    space, newline = ids == 32, ids == 10
-    last_nl = torch.where(newline, t, -1).cummax(1).values
-    last_other = torch.where(space | newline, -1, t).cummax(1).values
-    # a leading space: its line started (after a newline in the row) with spaces only so far
-    leading = space & (last_nl >= 0) & (last_other < last_nl)
-    prev_lead = torch.zeros_like(leading)
-    prev_lead[:, 1:] = leading[:, :-1] | newline[:, :-1]
-    return leading | (~space & prev_lead)
+    L = lines_of(ids)
+    prev_lead = torch.zeros_like(L.lead)
+    prev_lead[:, 1:] = L.lead[:, :-1]
+    return (L.lead & L.space) | (~L.space & prev_lead)
 
 
 def line_keys(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -910,24 +922,20 @@ def line_keys(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     previous non-blank line (the byte before its first non-space: a space, or its newline) and
     the last byte before the line other than spaces and newlines; -1 elsewhere, and for lines
     whose previous line started before the row."""
-    B, S = ids.shape
-    t = torch.arange(S).expand(B, S)
-    space, newline = ids == 32, ids == 10
-    code = ~space & ~newline
-    last_nl = torch.where(newline, t, -1).cummax(1).values
-    last_code = torch.where(code, t, -1).cummax(1).values
-    start = torch.where(newline, t + 1, last_nl + 1)  # where t's line starts (as column_targets)
-    lead = newline | (space & (last_code < start) & (last_nl >= 0))
+    B = ids.shape[0]
+    L = lines_of(ids)
+    code = ~L.space & ~L.newline
+    last_code = torch.where(code, L.t, -1).cummax(1).values
     # a non-blank line's first non-space: code, after a newline seen in the row, nothing but
     # spaces between
     prev_code = torch.cat([torch.full((B, 1), -1), last_code[:, :-1]], 1)
-    first = code & (last_nl >= 0) & (prev_code < last_nl)
-    last_first = torch.where(first, t, -1).cummax(1).values
-    before = (start - 1).clamp_min(0)
-    f = torch.where(start > 0, last_first.gather(1, before), -1)
-    end = torch.where(start > 0, last_code.gather(1, before), -1)
-    indent_key = torch.where(lead & (f > 0), f - 1, -1)
-    end_key = torch.where(lead & (f > 0), end, -1)  # the same rows: a line seen whole
+    first = code & (L.last_nl >= 0) & (prev_code < L.last_nl)
+    last_first = torch.where(first, L.t, -1).cummax(1).values
+    before = (L.start - 1).clamp_min(0)
+    f = torch.where(L.start > 0, last_first.gather(1, before), -1)
+    end = torch.where(L.start > 0, last_code.gather(1, before), -1)
+    indent_key = torch.where(L.lead & (f > 0), f - 1, -1)
+    end_key = torch.where(L.lead & (f > 0), end, -1)  # the same rows: a line seen whole
     return indent_key, end_key
 
 
