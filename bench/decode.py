@@ -98,6 +98,30 @@ def small_model_dirs() -> tuple[Path, Path]:
     return bf16, mx
 
 
+def small_models(w4a8: bool = False) -> dict:
+    """The small model as every command loads it (CPU ops, sparse DSA: the default, dense, is the
+    reference attention, which the planned decode step declines): {"mxfp4", "bf16"}, and
+    "w4a8" (the MXFP4 file with the int8-activation experts kernel) when asked."""
+    from dataclasses import replace
+
+    from dist_glm5.checkpoint.loader import load_model
+    from dist_glm5.model.dsa_config import DSAConfig
+
+    bf16_dir, mx_dir = small_model_dirs()
+    ops, sparse = get_backend("cpu").ops(), DSAConfig(mode="sparse")
+    models = {
+        "mxfp4": load_model(mx_dir, ops=ops, dsa=sparse),
+        "bf16": load_model(bf16_dir, ops=ops, dsa=sparse),
+    }
+    if w4a8:
+        from dist_glm5.kernels.mxfp4_w4a8 import moe_mxfp4_w4a8
+        from dist_glm5.ops.experts import ExpertsOps
+
+        w4 = ExpertsOps("cpu-w4a8", moe_mxfp4_w4a8, ops.experts.dense)
+        models["w4a8"] = load_model(mx_dir, ops=replace(ops, experts=w4), dsa=sparse)
+    return models
+
+
 def measure_ours(model, prompt: list[int], new_tokens: int, repeats: int) -> dict:
     from dist_glm5.model.reference_loop import generate
     from dist_glm5.sampling.params import SamplingParams
@@ -189,13 +213,7 @@ def run(args: argparse.Namespace) -> int:
     bf16_dir, mx_dir = small_model_dirs()
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, SMALL["vocab_size"], (args.prompt_len,), generator=g).tolist()
-    # sparse DSA, as every command runs (the default, dense, is the reference attention: the
-    # planned decode step declines it and the modules run every op)
-    sparse = DSAConfig(mode="sparse")
-    models = {
-        "mxfp4": load_model(mx_dir, ops=get_backend("cpu").ops(), dsa=sparse),
-        "bf16": load_model(bf16_dir, ops=get_backend("cpu").ops(), dsa=sparse),
-    }
+    models = small_models()
     cfg = models["bf16"].cfg
     n_params = sum(t.numel() for t in models["bf16"].state_dict().values())
     hf = None
@@ -215,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
             res[name] |= {"bound_ms": ms, "bytes_per_step": b}
             res[name]["of_bound"] = res[name]["decode_ms"] / ms
         if args.reference_tokens > 1:
-            ref = load_model(mx_dir, ops=reference_ops(), dsa=sparse)
+            ref = load_model(mx_dir, ops=reference_ops(), dsa=DSAConfig(mode="sparse"))
             res["mxfp4_reference"] = measure_ours(ref, prompt, args.reference_tokens, 1)
             del ref
         if hf is not None:

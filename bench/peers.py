@@ -40,7 +40,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -465,29 +464,16 @@ def report(rows: list[dict]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dist_glm5.backends import get_backend
-    from dist_glm5.bench.decode import small_model_dirs
-    from dist_glm5.checkpoint.loader import load_model
-    from dist_glm5.model.dsa_config import DSAConfig
+    from dist_glm5.bench.decode import small_model_dirs, small_models
 
     root = llama_root()
     root.mkdir(parents=True, exist_ok=True)
     try:
         bin_ = ensure_build(root)
-        bf16_dir, mx_dir = small_model_dirs()
+        bf16_dir, _ = small_model_dirs()
         tok_dir = prepare_model_dir(bf16_dir, root.parent / "small-bf16-tok")
         files = ensure_ggufs(root, bin_, tok_dir)
-        ops, sparse = get_backend("cpu").ops(), DSAConfig(mode="sparse")  # as every command
-        models = {
-            "mxfp4": load_model(mx_dir, ops=ops, dsa=sparse),
-            "bf16": load_model(bf16_dir, ops=ops, dsa=sparse),
-        }
-        if args.w4a8:
-            from dist_glm5.kernels.mxfp4_w4a8 import moe_mxfp4_w4a8
-            from dist_glm5.ops.experts import ExpertsOps
-
-            w4 = ExpertsOps("cpu-w4a8", moe_mxfp4_w4a8, ops.experts.dense)
-            models["w4a8"] = load_model(mx_dir, ops=replace(ops, experts=w4), dsa=sparse)
+        models = small_models(w4a8=args.w4a8)
         res: dict = {"threads": {}, "llama_cpp": f"b{TAG}"}
         res["files"] = {k: str(v) for k, v in files.items()}
         for nt in args.threads:

@@ -19,6 +19,7 @@ modules run that step. One step at a time per model: the plan reuses its argumen
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -170,6 +171,9 @@ def plan(model):
                                        router)]  # fmt: skip
     if any(lib is None for lib in libs) or not model.dsa.sparse:
         return None
+    # DIST_GLM5_EXPERTS=w4a8 (ops/experts.py): the opt-in int8-activation kernel, as the modules
+    # call it; decided here once for every layer and the draft layer
+    w4 = _is(ops.experts.mxfp4, mxfp4_w4a8.moe_mxfp4_w4a8)
     # the kernels the modules' step calls, so that both give the same bits
     if not (
         _is(ops.linear, bf16_gemv.linear)
@@ -183,29 +187,44 @@ def plan(model):
     layers = [model.model.layers[str(i)] for i in model.layer_range]
     if any(lay.self_attn.row_split is not None or not _weights_ok(lay) for lay in layers):
         return None
-    for lay in layers:
+    mtp = None
+    if model.has_mtp:  # the draft layer, when its kernels take it too (a full DSA layer)
+        d = model.mtp_layer(0)
+        if (
+            d.self_attn.indexer is not None
+            and _weights_ok(d)
+            and _bf16(d.enorm.weight, d.hnorm.weight, d.eh_proj.weight, d.shared_head.norm.weight)
+        ):
+            mtp = d
+    any_mx = False
+    for lay in layers + ([mtp] if mtp is not None else []):
         if hasattr(lay.mlp, "gate"):
             ex = lay.mlp.experts
             mx = hasattr(ex, "w13_weight_scale")
-            op = ops.experts.mxfp4 if mx else ops.experts.dense
-            if mx and _is(op, mxfp4_w4a8.moe_mxfp4_w4a8):  # the opt-in int8-activation kernel
-                if mxfp4_w4a8._kernel.get() is None:
-                    return None
+            any_mx |= mx
+            if mx and w4:
                 continue
+            op = ops.experts.mxfp4 if mx else ops.experts.dense
             if not _is(op, mxfp4_moe.moe_mxfp4 if mx else bf16_gemv.experts):
                 return None  # the reference: the modules' step
-            if mx and mxfp4_moe._kernel.get() is None:
-                return None
-    mtp = None
-    if model.has_mtp:  # the draft layer, when its kernels take it too (a full DSA layer)
-        m = model.mtp_layer(0)
-        if (
-            m.self_attn.indexer is not None
-            and _weights_ok(m)
-            and _bf16(m.enorm.weight, m.hnorm.weight, m.eh_proj.weight, m.shared_head.norm.weight)
-        ):
-            mtp = m
-    return DecodePlan(model, layers, mtp)
+    mx_lib = mxfp4_moe._kernel.get()
+    w4_lib = mxfp4_w4a8._kernel.get() if w4 else None
+    if any_mx and (w4_lib is None if w4 else mx_lib is None):
+        return None
+    gemv, sel, dec, _, norm, route = libs
+    return DecodePlan(model, layers, mtp, _Kernels(gemv, sel, dec, norm, route, mx_lib, w4_lib))
+
+
+class _Kernels(NamedTuple):
+    """The loaded C libraries a plan calls (plan() checked that each one it needs built)."""
+
+    gemv: object
+    sel: object
+    dec: object
+    norm: object
+    route: object
+    mx: object  # the exact MXFP4 experts kernel (None where w4a8 runs instead and it did not build)
+    w4: object  # the w4a8 experts kernel, or None when not chosen
 
 
 class _NoSpans:
@@ -217,7 +236,7 @@ class _NoSpans:
 
 
 class DecodePlan:
-    def __init__(self, model, layers, mtp=None):
+    def __init__(self, model, layers, mtp, k: _Kernels):
         self.model = model
         self.layers = [_Layer(lay) for lay in layers]
         self.mtp_layer = _Layer(mtp) if mtp is not None else None
@@ -225,13 +244,8 @@ class DecodePlan:
             norms = (mtp.enorm, mtp.hnorm, mtp.shared_head.norm)
             self.mtp_norms = [(n.weight.data_ptr(), float(n.eps)) for n in norms]
             self.eh_proj = _Linear(mtp.eh_proj)
-        g, d, m, n, r = (k._kernel.get() for k in (bf16_gemv, dsa_select, mla_decode, norm_rope,
-                                                    router))  # fmt: skip
-        self.gemv, self.sel, self.dec, self.norm, self.route = g, d, m, n, r
-        self.mx = mxfp4_moe._kernel.get()
-        # DIST_GLM5_EXPERTS=w4a8 (ops/experts.py): the int8-activation kernel, as the modules call
-        w4 = _is(model.ops.experts.mxfp4, mxfp4_w4a8.moe_mxfp4_w4a8)
-        self.w4 = mxfp4_w4a8._kernel.get() if w4 else None
+        self.gemv, self.sel, self.dec, self.norm, self.route = k.gemv, k.sel, k.dec, k.norm, k.route
+        self.mx, self.w4 = k.mx, k.w4  # w4: the w4a8 experts kernel when chosen, else None
 
     def takes(self, x: torch.Tensor, batch, cache, keep, layers) -> bool:
         T = batch.num_tokens
