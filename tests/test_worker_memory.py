@@ -58,3 +58,32 @@ def test_a_full_layers_selection_holds_what_the_planner_counts(path):
     kind = "cpu" if path == "fused" else "cpu-torch"
     planned = score_bytes(DSAConfig(mode="sparse"), n, L, kind) + n * L
     assert 0.85 * planned <= grew <= 1.15 * planned, (grew / 2**20, planned / 2**20)
+
+
+def test_peak_rss_reads_this_process_high_water_mark():
+    """The kept-open status file gives what a fresh read of /proc/self/status says, and a forked
+    child reads its own file (not its parent's, which /proc/self named at open)."""
+    import os
+
+    from dist_glm5.obs import peak_rss
+
+    def vmhwm_mb():
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith("VmHWM:"))
+        return int(line.split()[1]) / 1024
+
+    peak_rss.peak_rss_mb()
+    grown = bytearray(64 << 20)
+    grown[::4096] = b"\1" * len(grown[::4096])  # touch every page: the high-water mark rises
+    assert peak_rss.peak_rss_mb() == vmhwm_mb()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own pid's file
+        # (its mark still moves as it touches pages: bracket the kept file's read by fresh ones)
+        a, ours, b = vmhwm_mb(), peak_rss.peak_rss_mb(), vmhwm_mb()
+        os.write(w, f"{a} {ours} {b} {os.getpid()}".encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    a, ours, b, child = os.read(r, 200).decode().split()
+    assert float(a) <= float(ours) <= float(b)
+    assert peak_rss._fd[0] == os.getpid() != int(child)
