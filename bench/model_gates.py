@@ -325,7 +325,10 @@ def summary(res: dict) -> str:
         line("needles", ", ".join(found), "5/6 at gates")
     if "mtp" in res:
         m = res["mtp"]
-        fig = f"accept {m['greedy_mtp']['acceptance']}, {m['greedy_speedup']}x"
+        fig = (
+            f"accept {m['greedy_mtp']['acceptance']}, {m['greedy_speedup']}x (a step costs "
+            f"{m['greedy_step_cost_ratio']}x: pays past {m['greedy_break_even_acceptance']})"
+        )
         line("mtp", fig, ">= 0.75, > 1x")
     return "\n".join(lines)
 

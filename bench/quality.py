@@ -200,6 +200,7 @@ def mtp_figures(model_dir, texts, n_tokens: int) -> dict:
             out[key] = {
                 "tokens_per_s": round(t["toks"] / t["secs"], 1),
                 "tokens_per_step": round(t["toks"] / max(1, t["steps"]), 3),
+                "ms_per_step": round(1e3 * t["secs"] / max(1, t["steps"]), 3),
             }
             if mtp:
                 out[key]["acceptance"] = round(t["acc"] / max(1, t["prop"]), 3)
@@ -207,6 +208,11 @@ def mtp_figures(model_dir, texts, n_tokens: int) -> dict:
         out[f"{name}_speedup"] = round(
             out[f"{name}_mtp"]["tokens_per_s"] / out[f"{name}_plain"]["tokens_per_s"], 3
         )
+        # why it pays or not: an MTP step emits 1 + acceptance tokens and costs this many plain
+        # steps; it pays once the acceptance passes the ratio - 1 (the break-even)
+        ratio = out[f"{name}_mtp"]["ms_per_step"] / out[f"{name}_plain"]["ms_per_step"]
+        out[f"{name}_step_cost_ratio"] = round(ratio, 3)
+        out[f"{name}_break_even_acceptance"] = round(ratio - 1, 3)
     out["greedy_identical_with_mtp"] = runs[("greedy", True)] == runs[("greedy", False)]
     return out
 

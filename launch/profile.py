@@ -28,6 +28,7 @@ PARTS = [
     "all_reduce",
     "transfer",
     "sampler",
+    "draft",
     "host",
     "bubble",
 ]
@@ -60,7 +61,12 @@ def anatomy(events_by: dict[tuple[int, int, int], list], kinds: dict[int, str], 
         if not steps:
             continue
         ranks = sorted({r for _, ss, r in events_by if ss == s})
-        acc = {p: 0.0 for p in PARTS} | {"step": 0.0, "experts_slowest": 0.0, "experts_mean": 0.0}
+        acc = {p: 0.0 for p in PARTS} | {
+            "step": 0.0,
+            "experts_slowest": 0.0,
+            "experts_mean": 0.0,
+            "draft_inclusive": 0.0,
+        }
         for st in steps:
             ex = {r: exclusive_times(events_by.get((st, s, r), [])) for r in ranks}
             e0 = ex[ranks[0]]
@@ -70,6 +76,9 @@ def anatomy(events_by: dict[tuple[int, int, int], list], kinds: dict[int, str], 
                 if n == "step" and dep == 0
             )
             acc["step"] += step_ms
+            acc["draft_inclusive"] += 1e3 * sum(
+                d for n, _, d, _ in events_by.get((st, s, ranks[0]), []) if n == "draft"
+            )
             parts = {
                 "experts": e0.get("experts", 0),
                 "attention": e0.get("attention", 0),
@@ -79,6 +88,7 @@ def anatomy(events_by: dict[tuple[int, int, int], list], kinds: dict[int, str], 
                 "all_reduce": e0.get("all_reduce", 0),
                 "transfer": e0.get("transfer", 0),
                 "sampler": e0.get("sampler", 0),
+                "draft": e0.get("draft", 0),  # its layer's spans are in the parts above
                 "host": e0.get("step", 0),
                 "bubble": e0.get("recv_wait", 0),
             }
@@ -100,6 +110,11 @@ def describe(a: dict, kind: str) -> list[str]:
         parts = [f"experts {r['experts_slowest']:.2f} (slowest rank; mean {r['experts_mean']:.2f})"]
         parts += [f"{p.replace('_', ' ')} {r[p]:.2f}" for p in PARTS[1:] if r[p] >= 0.005]
         lines.append(f"stage {s}: {r['step']:.2f} ms {kind} step = " + " + ".join(parts))
+        if r["draft_inclusive"] >= 0.005:
+            lines.append(
+                f"stage {s}: of which the MTP draft (its layer, logits and proposal; the layer's "
+                f"attention and experts are counted in those parts) {r['draft_inclusive']:.2f} ms"
+            )
     return lines
 
 

@@ -246,21 +246,27 @@ class StageWorker:
                 mtp_next += actual[1 : n_valid + 1]
                 mtp_seqs.append((out, st, w.sample))
         if mtp_chunks:
-            nxt, rows = torch.tensor(mtp_next), torch.cat(mtp_rows)
-            # the same chunks give the same batch (a decode step whose draft was accepted, or
-            # none proposed): its metadata is reused; otherwise (a rejected draft's shorter
-            # chunk, a prefill) prepared anew, maybe padded like the layers' step
-            same = mtp_chunks == batch.chunks
-            mb = batch if same else self.rt.prepare(self.cache, mtp_chunks)
-            T, h_rows = mb.num_tokens, hn[rows.to(hn.device)]
-            x = self.rt.inputs(nxt, T), self.rt.inputs(h_rows, T)
-            hm = self.rt.forward_mtp(*x, mb, self.cache)
-            for (out, st, sampled), (_, e) in zip(mtp_seqs, mb.spans):
-                if sampled:
-                    out.draft, st.draft_q = self.propose(
-                        out.seq_id, st, m.mtp_logits(hm[e - 1 : e])[0].cpu()
-                    )
+            with PROF.span("draft"):  # the MTP layer and its proposal (launch profile's "draft")
+                self._draft(batch, hn, mtp_chunks, mtp_rows, mtp_next, mtp_seqs)
         return outputs
+
+    def _draft(self, batch, hn, mtp_chunks, mtp_rows, mtp_next, mtp_seqs) -> None:
+        """The MTP layer over this step's accepted rows; each sampling sequence's next draft."""
+        m = self.model
+        nxt, rows = torch.tensor(mtp_next), torch.cat(mtp_rows)
+        # the same chunks give the same batch (a decode step whose draft was accepted, or
+        # none proposed): its metadata is reused; otherwise (a rejected draft's shorter
+        # chunk, a prefill) prepared anew, maybe padded like the layers' step
+        same = mtp_chunks == batch.chunks
+        mb = batch if same else self.rt.prepare(self.cache, mtp_chunks)
+        T, h_rows = mb.num_tokens, hn[rows.to(hn.device)]
+        x = self.rt.inputs(nxt, T), self.rt.inputs(h_rows, T)
+        hm = self.rt.forward_mtp(*x, mb, self.cache)
+        for (out, st, sampled), (_, e) in zip(mtp_seqs, mb.spans):
+            if sampled:
+                out.draft, st.draft_q = self.propose(
+                    out.seq_id, st, m.mtp_logits(hm[e - 1 : e])[0].cpu()
+                )
 
     def _sample_one(self, w: SeqWork, hn: torch.Tensor, a: int, b: int, lg_all, i: int):
         """One sequence's rows [a, b) of the normed hidden: its prompt logprobs, its sampled

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 LAUNCH = [
     sys.executable,
     "-c",
@@ -30,6 +32,7 @@ def check_profile(out_dir, stages: int, ranks: int):
                     "all_reduce",
                     "transfer",
                     "sampler",
+                    "draft",
                     "host",
                     "bubble",
                 )
@@ -46,7 +49,8 @@ def check_profile(out_dir, stages: int, ranks: int):
         assert (out_dir / f"timeline-stage-{s}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_profile_in_process(tmp_path, default_model_dir):
+@pytest.mark.parametrize("mtp", [False, True])
+def test_profile_in_process(tmp_path, default_model_dir, mtp):
     r = subprocess.run(
         [
             *LAUNCH,
@@ -59,7 +63,8 @@ def test_profile_in_process(tmp_path, default_model_dir):
             "6",
             "--output",
             str(tmp_path),
-        ],
+        ]
+        + ["--mtp"] * mtp,
         capture_output=True,
         text=True,
         timeout=300,
@@ -69,6 +74,14 @@ def test_profile_in_process(tmp_path, default_model_dir):
     assert "without the routed experts" in r.stdout
     check_profile(tmp_path, 1, 1)
     res = json.loads((tmp_path / "anatomy.json").read_text())
+    dec = res["decode"]["0"]
+    # the draft: its own span (exclusive) inside its inclusive time, inside the step; none without
+    assert (
+        (0 < dec["draft"] < dec["draft_inclusive"] < dec["step"])
+        if mtp
+        else (dec["draft_inclusive"] == 0)
+    )
+    assert ("of which the MTP draft" in r.stdout) == mtp
     roof, dec = res["roofline"]["0"], res["decode"]["0"]
     # the part without the experts: the step less the slowest rank's experts, against the bytes
     # the planner counts less the expert weights (written out: bound = bytes / bandwidth)

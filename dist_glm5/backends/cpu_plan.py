@@ -89,7 +89,9 @@ class _Layer:
     def __init__(self, layer):
         att, mlp = layer.self_attn, layer.mlp
         self.module, self.i = layer, att.layer
-        self.watched = list(layer.modules())  # whose hooks make the modules run the step
+        # the hook dicts of its modules (registering a hook fills them in place): any filled one
+        # makes the modules run the step; kept as a list, checked per step in microseconds
+        self.hooks = [d for s in layer.modules() for d in (s._forward_hooks, s._forward_pre_hooks)]
         # every tensor whose address is kept is kept too (a replaced weight stays alive: the
         # model drops its plan when its weights move, Glm5Model._apply)
         self.keep = [p for p in layer.parameters()] + [b for b in layer.buffers()]
@@ -135,7 +137,7 @@ class _Layer:
             return True
         if self.moe and m.mlp.recorder is not None:
             return True
-        return not profiled and any(s._forward_hooks or s._forward_pre_hooks for s in self.watched)
+        return not profiled and any(self.hooks)
 
 
 def _weights_ok(layer) -> bool:
@@ -244,6 +246,7 @@ class DecodePlan:
             norms = (mtp.enorm, mtp.hnorm, mtp.shared_head.norm)
             self.mtp_norms = [(n.weight.data_ptr(), float(n.eps)) for n in norms]
             self.eh_proj = _Linear(mtp.eh_proj)
+            self.mtp_embed = (mtp.embed_tokens or model.model.embed_tokens).weight
         self.gemv, self.sel, self.dec, self.norm, self.route = k.gemv, k.sel, k.dec, k.norm, k.route
         self.mx, self.w4 = k.mx, k.w4  # w4: the w4a8 experts kernel when chosen, else None
 
@@ -285,10 +288,11 @@ class DecodePlan:
             return None
         if not self.takes(h_normed, batch, cache, None, [L]):
             return None
-        m, model, nt = L.module, self.model, torch.get_num_threads()
+        nt = torch.get_num_threads()
         T, H = h_normed.shape
-        emb = (m.embed_tokens or model.model.embed_tokens)(next_ids.long())
-        emb = emb.masked_fill((batch.positions == 0)[:, None], 0.0)
+        emb = F.embedding(next_ids.long(), self.mtp_embed)
+        if any(c.start == 0 for c in batch.chunks):  # a row at position 0 takes no embedding
+            emb = emb.masked_fill((batch.positions == 0)[:, None], 0.0)
         e, hn = (
             self._norm(emb, T, H, self.mtp_norms[0], nt),
             self._norm(h_normed.contiguous(), T, H, self.mtp_norms[1], nt),
