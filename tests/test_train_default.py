@@ -119,6 +119,25 @@ def test_indexers_phase_trains_only_the_indexers():
     assert all(p.requires_grad for _, p in named)
 
 
+def test_draft_phase_trains_only_the_mtp_layer():
+    """The "draft" phase: the draft's losses reach the MTP layer's weights (its projection, norms,
+    attention, experts), nothing of the model and not the MTP layer's indexer."""
+    tr = _trainer()
+    tr.set_sparse(True)
+    ids, force = _ids_and_force()
+    tr.freeze_model("draft")
+    ls = tr.losses(ids, force)
+    (ls["mtp"] + ls["mtp_kl"]).backward()
+    ix = {id(p) for p in tr.indexer_parameters()}
+    draft = {id(p) for p in tr.mtp.parameters()} - ix
+    named = [(n, p) for m in tr.modules() for n, p in m.named_parameters()]
+    assert all(p.grad is None for n, p in named if id(p) not in draft)
+    got = [n for n, p in named if id(p) in draft and p.grad is not None and p.grad.any()]
+    assert any("eh_proj" in n for n in got) and any("self_attn" in n for n in got), got
+    with pytest.raises(ValueError, match="'all', 'indexers' or 'draft'"):
+        tr.freeze_model("mtp")
+
+
 def test_the_induction_head_and_half_its_indexer_stay_position_free():
     """Their queries' rope rows are zero at the start and after an optimiser step that moves
     every other row: their scores do not depend on the distance to a key."""

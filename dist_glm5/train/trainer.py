@@ -182,7 +182,9 @@ class Phase:
     batch: int
     sparse: bool  # top-index_topk selection on
     mix: str  # MIXES key
-    train: str = "all"  # "all": the model and its indexers; "indexers": the model frozen
+    # "all": the model and its indexers; "indexers": the model frozen; "draft": the MTP layer
+    # alone (less its indexer) on its own losses, the model frozen
+    train: str = "all"
     # every long_every-th step runs one row of LONG_SEQ instead (0: never): the dense phases
     # see the distances the sparse phases ask for (see the module docstring)
     long_every: int = 0
@@ -207,7 +209,13 @@ PHASES = [
     # the indexers alone on the final model (DeepSeek-V3.2's warm-up also trains only the
     # indexer): trained jointly, they trail features that move under them and lose the key
     Phase(3010, 2048, 2, True, "long", "indexers"),
+    # the draft layer alone on the final model, sparse as it serves: jointly it learns at
+    # MTP_WEIGHT under a moving target (p1: greedy acceptance 0.71, break-even ~0.68); its
+    # indexer re-fitted after it (the model's indexers take those steps too, on the same model)
+    Phase(3310, 512, 4, True, "base", "draft"),
+    Phase(3350, 2048, 2, True, "long", "indexers"),
 ]
+DRAFT_LR = 5e-4  # the draft layer's constant rate in the "draft" phase
 INDEXER_LR = 3e-3  # the indexers' constant rate in the "indexers" phase (and layer 2's always)
 
 # Positional skips (PoSE: Zhu et al. 2023, "Efficient context window extension of LLMs via
@@ -660,12 +668,22 @@ class Trainer:
         """Everything trained: the model, its MTP block and the training-only read-outs."""
         return (self.model, self.mtp, self.readout, self.columns, self.structure)
 
-    def freeze_model(self, on: bool) -> None:
-        """Train only the indexers (on) or everything (off)."""
+    def freeze_model(self, on: bool | str) -> None:
+        """Train only the indexers (on, or "indexers"), only the MTP layer less its indexer
+        ("draft"), or everything (off, or "all")."""
         ix = {id(p) for p in self.indexer_parameters()}
+        which = {True: "indexers", False: "all"}.get(on, on)
+        if which == "draft":
+            keep = {id(p) for p in self.mtp.parameters()} - ix
+        elif which == "indexers":
+            keep = ix
+        elif which == "all":
+            keep = None
+        else:
+            raise ValueError(f"freeze_model({on!r}): train 'all', 'indexers' or 'draft'")
         for m in self.modules():
             for p in m.parameters():
-                p.requires_grad_(not on or id(p) in ix)
+                p.requires_grad_(keep is None or id(p) in keep)
 
     def _layer(self, i):
         n = self.cfg.num_hidden_layers
@@ -1002,12 +1020,14 @@ def train(
     t0 = time.time()
     while step < steps:
         ph = phase_of(step)
-        (seq, batch), sparse, indexers_only = ph.shape(step), ph.sparse, ph.train == "indexers"
+        (seq, batch), sparse = ph.shape(step), ph.sparse
+        indexers_only, draft_only = ph.train == "indexers", ph.train == "draft"
         tr.set_sparse(sparse)
-        tr.freeze_model(indexers_only)
+        tr.freeze_model(ph.train)
         for g in opt.param_groups:
             const = g["const"] or indexers_only
             g["lr"] = INDEXER_LR if const else g["lr_mult"] * lr_at(step, model_steps, lr)
+            g["lr"] = DRAFT_LR if draft_only else g["lr"]
         ids, induction, reply = data.batch(step, seq, batch, ph.mix)
         tr.rows_gen.manual_seed(seed * 1_000_003 + step)
         tr.model.train()
@@ -1016,6 +1036,8 @@ def train(
         if indexers_only:  # the indexers' own losses: the model's are not trained here
             ls["index"] = tr.index_loss(induction)
             loss = ls["kl"] + ls["index"]
+        elif draft_only:  # the draft's: next-next byte and the main model's distribution there
+            loss = ls["mtp"] + MTP_DISTILL * ls["mtp_kl"]
         else:
             ls.update(tr.attention_supervision(ids, induction))
             ls.update(tr.structure_losses(ids))
@@ -1032,7 +1054,7 @@ def train(
         gn = torch.nn.utils.clip_grad_norm_(model_params, 1.0)
         gi = torch.nn.utils.clip_grad_norm_(indexer_params, 1.0)
         opt.step()
-        if not indexers_only:
+        if ph.train == "all":
             tr.balance()
         step += 1
         rec = {k: round(v.item(), 4) for k, v in ls.items()}
@@ -1042,7 +1064,7 @@ def train(
         rec["s"] = round(time.time() - t0, 1)
         logf.write(json.dumps(rec) + "\n")
         logf.flush()
-        bar.set_postfix(lm=rec["lm"], kl=rec["kl"], index=rec["index"], seq=seq)
+        bar.set_postfix(lm=rec["lm"], kl=rec["kl"], mtp=rec["mtp"], seq=seq)
         bar.update(1)
         if step % save_every == 0 or step == steps:
             tmp = state_path.with_suffix(".tmp")
