@@ -51,6 +51,9 @@ class Counting:
         self.drafts += out is not None
         return out
 
+    def head(self, *a):
+        return self.plan.head(*a)
+
 
 def _decode(stages, planned: bool, rows: int = 1, steps: int = 5, seed: int = 0, mtp=False):
     """Prefill PROMPTS through `stages` (models run one after the other, selection passed on),
@@ -209,3 +212,22 @@ def test_moving_the_weights_drops_the_plan():
     assert m._plan
     m.to(torch.bfloat16)
     assert m._plan is None
+
+
+def test_the_planned_heads_give_the_modules_bits(mxfp4_dir):
+    """lm_head and the draft's head through the plan: the module's logits bit for bit, for 1 to
+    ROWS rows; more rows, fp32 rows or a hook on the head: the module runs."""
+    m = _model(mxfp4_dir)
+    assert m._planned()
+    plan, g = m._plan, torch.Generator().manual_seed(0)
+    for T in (1, 2, cpu_plan.ROWS):
+        h = torch.randn(T, m.cfg.hidden_size, generator=g).to(torch.bfloat16)
+        with torch.no_grad():
+            want = m.lm_head(h).float()
+            assert torch.equal(plan.head(m.lm_head, h), want)
+            assert torch.equal(m.logits(h), want) and torch.equal(m.mtp_logits(h), want)
+    h = torch.randn(cpu_plan.ROWS + 1, m.cfg.hidden_size).to(torch.bfloat16)
+    assert plan.head(m.lm_head, h) is None and plan.head(m.lm_head, h[:2].float()) is None
+    hook = m.lm_head.register_forward_hook(lambda *a: None)
+    assert plan.head(m.lm_head, h[:2]) is None
+    hook.remove()

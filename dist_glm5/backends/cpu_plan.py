@@ -247,8 +247,25 @@ class DecodePlan:
             self.mtp_norms = [(n.weight.data_ptr(), float(n.eps)) for n in norms]
             self.eh_proj = _Linear(mtp.eh_proj)
             self.mtp_embed = (mtp.embed_tokens or model.model.embed_tokens).weight
+        # the output heads (the last stage's): the module's product is this kernel too (plan()
+        # checked ops.linear), without the module call and the wrapper's checks per step
+        self.heads = {}
+        for lin in (model.lm_head, mtp.shared_head.head if mtp is not None else None):
+            if lin is not None and lin.bias is None and _bf16(lin.weight):
+                self.heads[id(lin)] = (lin, _Linear(lin))
         self.gemv, self.sel, self.dec, self.norm, self.route = k.gemv, k.sel, k.dec, k.norm, k.route
         self.mx, self.w4 = k.mx, k.w4  # w4: the w4a8 experts kernel when chosen, else None
+
+    def head(self, lin, h: torch.Tensor) -> torch.Tensor | None:
+        """lin(h) as fp32 logits (h [T, H] normed bf16 rows), or None when not taken (the
+        module runs: another head, more than ROWS rows, a hook on it)."""
+        got = self.heads.get(id(lin))
+        T = h.shape[0]
+        if got is None or got[0] is not lin or h.dtype != BF16 or not 0 < T <= ROWS:
+            return None
+        if lin._forward_hooks or lin._forward_pre_hooks:
+            return None
+        return got[1](self.gemv, h.contiguous(), T, torch.get_num_threads()).float()
 
     def takes(self, x: torch.Tensor, batch, cache, keep, layers) -> bool:
         T = batch.num_tokens

@@ -157,7 +157,16 @@ class Glm5Model(nn.Module):
 
     def logits(self, h_normed: torch.Tensor) -> torch.Tensor:
         # [n, H] -> [n, V] fp32
-        return self.lm_head(h_normed).float()
+        return self._head(self.lm_head, h_normed)
+
+    def _head(self, lin, h: torch.Tensor) -> torch.Tensor:
+        """An output head's fp32 logits: the planned product when the backend planned one
+        (the same kernel, same bits), else the module."""
+        if self._planned():
+            out = self._plan.head(lin, h)
+            if out is not None:
+                return out
+        return lin(h).float()
 
     def mtp_forward(
         self,
@@ -180,4 +189,4 @@ class Glm5Model(nn.Module):
 
     def mtp_logits(self, h_mtp: torch.Tensor, j: int = 0) -> torch.Tensor:
         head = self.mtp_layer(j).shared_head.head or self.lm_head
-        return head(h_mtp).float()
+        return self._head(head, h_mtp)

@@ -38,6 +38,9 @@ trained with transformers' GlmMoeDsaForCausalLM plus an MTP block built from its
   misses them while it learns, and a model trained on those misses learns not to copy); a last
   phase trains only the indexers on the final, frozen model (jointly trained, they trail the
   features that move under them).
+- The draft: the MTP layer learns jointly at MTP_WEIGHT, then alone in a "draft" phase on the
+  frozen model (its CE and its KL to the model's next distribution), sparse as it serves; the
+  indexers are re-fitted after it (p1's acceptance 0.712 -> 0.776 with it).
 - The dense phases run every 8th step as one row of 2,048 bytes (the same tokens): RoPE scores at
   distances never trained are unconstrained, and a run trained only at 512 lost layer 0's
   neighbours on every row past 512 once it saw 1,024 (measured on its step-1800 weights, dense or
