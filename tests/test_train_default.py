@@ -108,14 +108,14 @@ def test_indexers_phase_trains_only_the_indexers():
     tr = _trainer()
     tr.set_sparse(True)
     ids, force = _ids_and_force()
-    tr.freeze_model(True)
+    tr.freeze_model("indexers")
     ls = tr.losses(ids)
     (ls["kl"] + tr.index_loss(force)).backward()
     ix = {id(p) for p in tr.indexer_parameters()}
     named = [(n, p) for m in tr.modules() for n, p in m.named_parameters()]
     assert all(p.grad is None for n, p in named if id(p) not in ix)
     assert all(p.grad is not None for n, p in named if id(p) in ix), "an indexer got no gradient"
-    tr.freeze_model(False)
+    tr.freeze_model("all")
     assert all(p.requires_grad for _, p in named)
 
 

@@ -671,19 +671,18 @@ class Trainer:
         """Everything trained: the model, its MTP block and the training-only read-outs."""
         return (self.model, self.mtp, self.readout, self.columns, self.structure)
 
-    def freeze_model(self, on: bool | str) -> None:
-        """Train only the indexers (on, or "indexers"), only the MTP layer less its indexer
-        ("draft"), or everything (off, or "all")."""
+    def freeze_model(self, train: str) -> None:
+        """Train everything ("all"), only the indexers ("indexers") or only the MTP layer less
+        its indexer ("draft"): a Phase's `train`."""
         ix = {id(p) for p in self.indexer_parameters()}
-        which = {True: "indexers", False: "all"}.get(on, on)
-        if which == "draft":
+        if train == "draft":
             keep = {id(p) for p in self.mtp.parameters()} - ix
-        elif which == "indexers":
+        elif train == "indexers":
             keep = ix
-        elif which == "all":
+        elif train == "all":
             keep = None
         else:
-            raise ValueError(f"freeze_model({on!r}): train 'all', 'indexers' or 'draft'")
+            raise ValueError(f"freeze_model({train!r}): train 'all', 'indexers' or 'draft'")
         for m in self.modules():
             for p in m.parameters():
                 p.requires_grad_(keep is None or id(p) in keep)
@@ -1028,9 +1027,12 @@ def train(
         tr.set_sparse(sparse)
         tr.freeze_model(ph.train)
         for g in opt.param_groups:
-            const = g["const"] or indexers_only
-            g["lr"] = INDEXER_LR if const else g["lr_mult"] * lr_at(step, model_steps, lr)
-            g["lr"] = DRAFT_LR if draft_only else g["lr"]
+            if draft_only:
+                g["lr"] = DRAFT_LR
+            elif g["const"] or indexers_only:
+                g["lr"] = INDEXER_LR
+            else:
+                g["lr"] = g["lr_mult"] * lr_at(step, model_steps, lr)
         ids, induction, reply = data.batch(step, seq, batch, ph.mix)
         tr.rows_gen.manual_seed(seed * 1_000_003 + step)
         tr.model.train()
