@@ -32,6 +32,24 @@
 
 /* v8 (common.h): the tile's accumulators stay in registers */
 
+/* Per-thread scratch kept between calls (grown, never shrunk): a decode step selects once per
+ * full layer over about the same keys, and a fresh malloc of buffers over L keys is, past
+ * glibc's 128 KiB threshold, an mmap whose pages fault in (and a munmap) on every call. OpenMP's
+ * threads persist between regions, so each keeps its own. Slots: one per buffer a call holds at
+ * once. Returns NULL when out of memory. */
+enum { SCR_BMAX, SCR_VALS, SCR_IDX, SCR_SCORES, SCR_POS, SCR_CNT, SCR_SLOTS, SCR_VALID, NSCR };
+static __thread void *scr_ptr[NSCR];
+static __thread size_t scr_cap[NSCR];
+static void *scratch(int slot, size_t bytes) {
+    if (scr_cap[slot] < bytes) {
+        free(scr_ptr[slot]);
+        scr_cap[slot] = bytes + bytes / 8; /* a growing context asks a little more each step */
+        scr_ptr[slot] = malloc(scr_cap[slot]);
+        if (!scr_ptr[slot]) scr_cap[slot] = 0;
+    }
+    return scr_ptr[slot];
+}
+
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
 
 /* macros, not functions: a function without the clone's target would not inline into it */
@@ -274,13 +292,15 @@ int dsa_select(const float *q, const float *w, int n, int H, int D, const void *
     if (D > 256) return -1;
     const int64_t ldm = (L + 63) / 64;
     /* the scan's block maxima: on the 64-key grid only when the cache's blocks tile it */
-    float *bmax = bs % 64 == 0 ? (float *)malloc(sizeof(float) * (size_t)(n * ldm + 1)) : NULL;
+    float *bmax = bs % 64 == 0 ? (float *)scratch(SCR_BMAX, sizeof(float) * (size_t)(n * ldm + 1))
+                               : NULL;
+    if (bs % 64 == 0 && !bmax) return -2;
     scan(q, w, n, H, D, store, bf16, table, bs, L, scores, bmax, nthreads);
     int failed = 0;
 #pragma omp parallel num_threads(n > 1 ? nthreads : 1) reduction(| : failed)
     {
-        float *vals = (float *)malloc(sizeof(float) * (size_t)(L > 0 ? L : 1));
-        int64_t *idx = (int64_t *)malloc(sizeof(int64_t) * (size_t)(L > 0 ? L : 1));
+        float *vals = (float *)scratch(SCR_VALS, sizeof(float) * (size_t)(L > 0 ? L : 1));
+        int64_t *idx = (int64_t *)scratch(SCR_IDX, sizeof(int64_t) * (size_t)(L > 0 ? L : 1));
         failed = !vals || !idx;
 #pragma omp for schedule(dynamic, 1)
         for (int r = 0; r < n; r++) {
@@ -302,10 +322,7 @@ int dsa_select(const float *q, const float *w, int n, int H, int D, const void *
             if (out_valid)
                 for (int64_t j = 0; j < k; j++) out_valid[(int64_t)r * k + j] = j < c;
         }
-        free(vals);
-        free(idx);
     }
-    free(bmax);
     return failed ? -2 : 0;
 }
 
@@ -326,11 +343,11 @@ int dsa_select_many(const float *q, const float *w, int S, const int32_t *row_of
         const int r0 = row_off[s], n = row_off[s + 1] - r0;
         const int64_t L = Ls[s];
         const int k = topk < L ? topk : (int)L;
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(n * L + 1));
-        int64_t *pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n * k + 1));
-        int32_t *cnt = (int32_t *)malloc(sizeof(int32_t) * (size_t)(n + 1));
-        int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n * k + 1));
-        uint8_t *valid = (uint8_t *)malloc((size_t)(n * k + 1));
+        float *scores = (float *)scratch(SCR_SCORES, sizeof(float) * (size_t)(n * L + 1));
+        int64_t *pos = (int64_t *)scratch(SCR_POS, sizeof(int64_t) * (size_t)(n * k + 1));
+        int32_t *cnt = (int32_t *)scratch(SCR_CNT, sizeof(int32_t) * (size_t)(n + 1));
+        int64_t *slots = (int64_t *)scratch(SCR_SLOTS, sizeof(int64_t) * (size_t)(n * k + 1));
+        uint8_t *valid = (uint8_t *)scratch(SCR_VALID, (size_t)(n * k + 1));
         int rc = -2;
         if (scores && pos && cnt && slots && valid)
             rc = dsa_select(q + (int64_t)r0 * H * D, w + (int64_t)r0 * H, n, H, D, store, bf16,
@@ -348,11 +365,6 @@ int dsa_select_many(const float *q, const float *w, int S, const int32_t *row_of
                 }
             }
         failed |= rc != 0;
-        free(scores);
-        free(pos);
-        free(cnt);
-        free(slots);
-        free(valid);
     }
     return failed ? -2 : 0;
 }
