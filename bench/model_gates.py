@@ -141,10 +141,13 @@ def tool_requests() -> list[dict]:
 
 # ---- checks ------------------------------------------------------------------------------------
 _PY_LINE = re.compile(r"^\s*([A-Za-z_#@\"'(\[\])}]|$)")
+_REPEAT = re.compile(r"\b([A-Za-z_]\w*)(?:[ \t]+\1\b)+")  # a word, then itself again and again
 
 
 def code_check(text: str) -> dict:
-    """Do the lines read as Python, and how long is the longest run of spaces past indentation."""
+    """Do the lines read as Python, how long is the longest run of spaces past indentation, and
+    does a word repeat back to back (`return the the the ...`: indented right, and a loop, not
+    Python; no line of Python names one thing three times in a row)."""
     lines = text.split("\n")
     pythonic = sum(bool(_PY_LINE.match(line)) for line in lines)
     inner = [m.group(0) for line in lines for m in re.finditer(r" {2,}", line.lstrip(" "))]
@@ -154,12 +157,19 @@ def code_check(text: str) -> dict:
     inner += [x for x in body if x and not x.strip(" ")]
     longest = max((len(s) for s in inner), default=0)
     words = re.findall(r"[A-Za-z_][A-Za-z0-9_]{2,}", text)
+    repeats = max((len(m.group(0).split()) for m in _REPEAT.finditer(text)), default=1)
     return {
         "lines": len(lines),
         "python_lines": pythonic,
         "longest_inner_spaces": longest,
         "names": len(words),
-        "pass": pythonic == len(lines) and longest < 4 and len(words) >= 5,
+        "distinct_names": len(set(words)),
+        "longest_repeat": repeats,
+        "pass": pythonic == len(lines)
+        and longest < 4
+        and len(words) >= 5
+        and len(set(words)) >= 3
+        and repeats < 3,
     }
 
 

@@ -1,0 +1,38 @@
+"""`bench model-gates`' code check on written-out continuations: what a user would call Python
+after the snippet (names, keywords, indentation) passes; a run of spaces, or a word looping back
+to back (`return the the the`, p2's and p3's greedy text: indented right, not Python), fails."""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_glm5.bench.model_gates import code_check
+
+PYTHON = (
+    "        for name in filenames:\n"
+    "            result.append(os.path.join(dirpath, name))\n"
+    "    return result\n"
+)
+
+
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        (PYTHON, True),
+        (PYTHON + "        ", True),  # an indentation the token budget cut short
+        (" " * 96, False),  # the shipped model's greedy text in session 9
+        ("        return the the the the the the the the", False),
+        ("        path = os.path.join(dirpath, name)   # x", True),  # one run of 3 spaces
+        ("        path = os.path.join(dirpath,     name)", False),  # a run of 5 past indentation
+        ("        value = self.self.self.name + other", True),  # a chain is not a repeat
+        ("        def list_files list_files list_files", False),
+        ("        # 1 2 3", False),  # too few names to read as code
+    ],
+)
+def test_code_check(text, ok):
+    assert code_check(text)["pass"] is ok, code_check(text)
+
+
+def test_code_check_counts_the_repeat():
+    r = code_check("        return the the the the")
+    assert r["longest_repeat"] == 4 and r["distinct_names"] == 2
