@@ -111,7 +111,7 @@ def test_select_many_equals_the_torch_path_per_sequence(dtype, integers, threads
         q_pos[b, :c] = torch.arange(L - c, L).clamp(min=0)
         r += c
     real = torch.cat([torch.arange(b * n, b * n + c) for b, c in enumerate(counts)])
-    rows = RowsKeys.of(tok, q_pos, real, counts, keys)
+    rows = RowsKeys.of(tok.reshape(-1)[real], q_pos.reshape(-1)[real], counts, keys)
     torch.set_num_threads(threads)
     try:
         slots, valid = K.select_many(q[rows.tok], w[rows.tok], store, rows, topk, D)

@@ -33,6 +33,7 @@ class _Table:
         self.t = torch.empty(8, dtype=torch.int64)
         self.n = 0
         self.first: int | None = None  # block 0 on the host
+        self.blocks: list[int] = []  # the whole table on the host: a decode chunk's slots as ints
 
     def extend(self, blocks: list[int]) -> None:
         if self.n + len(blocks) > self.t.shape[0]:
@@ -43,6 +44,7 @@ class _Table:
         if self.n == 0:
             self.first = blocks[0]
         self.n += len(blocks)
+        self.blocks += blocks
 
     def view(self) -> torch.Tensor:
         return self.t[: self.n]
@@ -84,13 +86,18 @@ class AttnGroup:
     counts: list[int] | None = None  # per chunk, its real rows
     _slots: torch.Tensor | None = None
     _rows_keys: RowsKeys | None = None
+    _real_rows: tuple[list[int], list[int]] | None = None  # the real rows' tok, q_pos as ints
 
     @property
     def rows_keys(self) -> RowsKeys:
         """The real rows, flat, and every chunk's keys: a batched selection's input. Built on
         first use, once per forward (every full layer reads it)."""
         if self._rows_keys is None:
-            self._rows_keys = RowsKeys.of(self.tok, self.q_pos, self.real, self.counts, self.keys)
+            if self._real_rows is not None:
+                tok, q_pos = (torch.tensor(x, dtype=torch.int64) for x in self._real_rows)
+            else:
+                tok, q_pos = self.tok.reshape(-1)[self.real], self.q_pos.reshape(-1)[self.real]
+            self._rows_keys = RowsKeys.of(tok, q_pos, self.counts, self.keys)
         return self._rows_keys
 
     @property
@@ -163,7 +170,10 @@ class PagedKVCache:
         self.tables.setdefault(seq_id, _Table()).extend(blocks)
 
     def prepare(self, chunks: list[Chunk]) -> ForwardBatch:
-        """The forward's metadata: positions, write slots, each chunk's block table and length."""
+        """The forward's metadata: positions, write slots, each chunk's block table and length.
+        A decode or verify chunk's (at most SMALL_CHUNK tokens) are Python ints, made into one
+        tensor per field: the per-chunk arange/index/cat ran about 25 us a sequence."""
+        bs = self.block_size
         pos, write, keys, spans, t = [], [], [], [], 0
         for c in chunks:
             if c.length <= 0:
@@ -177,21 +187,59 @@ class PagedKVCache:
                     f"sequence {c.seq_id} writes positions up to {c.end - 1} but its block table "
                     f"covers {have}: the plan did not send its blocks"
                 )
-            k = KeySlots(table.view(), self.block_size, c.end, table.first)
-            p = torch.arange(c.start, c.end, dtype=torch.int64)
-            pos.append(p)
-            write.append(k.at(p))
+            k = KeySlots(table.view(), bs, c.end, table.first)
+            if c.length <= SMALL_CHUNK:
+                ps = range(c.start, c.end)
+                pos.append(list(ps))
+                write.append([table.blocks[p // bs] * bs + p % bs for p in ps])
+            else:
+                p = torch.arange(c.start, c.end, dtype=torch.int64)
+                pos.append(p)
+                write.append(k.at(p))
             keys.append(k)
             spans.append((t, t + c.length))
             t += c.length
         return ForwardBatch(
-            chunks, torch.cat(pos), torch.cat(write), keys, spans, make_groups(chunks, keys, spans)
+            chunks, _flat(pos), _flat(write), keys, spans, make_groups(chunks, keys, spans)
         )
 
     def release(self, seq_id: int) -> None:
         self.tables.pop(seq_id, None)
         if self.ledger is not None:
             self.ledger.release(seq_id)
+
+
+def _flat(parts: list) -> torch.Tensor:
+    """Lists of ints and int64 tensors, in order, as one int64 tensor."""
+    if all(isinstance(x, list) for x in parts):
+        return torch.tensor([v for x in parts for v in x], dtype=torch.int64)
+    return torch.cat(
+        [torch.tensor(x, dtype=torch.int64) if isinstance(x, list) else x for x in parts]
+    )
+
+
+def _small_group(ids: list[int], chunks: list[Chunk], spans, keys) -> AttnGroup:
+    """Decode and verify chunks, padded to n rows, as ints: one tensor per field."""
+    n = max(chunks[i].length for i in ids)
+    tok, q_pos, valid, real, real_tok, real_pos = [], [], [], [], [], []
+    for r, i in enumerate(ids):
+        c, a, m = chunks[i], spans[i][0], chunks[i].length
+        tok.append([*range(a, a + m)] + [a] * (n - m))  # pad rows repeat the first token
+        q_pos.append([*range(c.start, c.end)] + [c.start] * (n - m))
+        valid.append([True] * m + [False] * (n - m))
+        real += range(r * n, r * n + m)
+        real_tok += range(a, a + m)
+        real_pos += range(c.start, c.end)
+    return AttnGroup(
+        ids,
+        torch.tensor(tok, dtype=torch.int64),
+        torch.tensor(valid, dtype=torch.bool),
+        torch.tensor(q_pos, dtype=torch.int64),
+        [keys[i] for i in ids],
+        torch.tensor(real, dtype=torch.int64),
+        [chunks[i].length for i in ids],
+        _real_rows=(real_tok, real_pos),
+    )
 
 
 def make_groups(
@@ -204,6 +252,9 @@ def make_groups(
     out = []
     for ids in groups:
         n = max(chunks[i].length for i in ids)
+        if n <= SMALL_CHUNK:
+            out.append(_small_group(ids, chunks, spans, keys))
+            continue
         tok = torch.empty(len(ids), n, dtype=torch.int64)
         q_pos = torch.empty(len(ids), n, dtype=torch.int64)
         valid = torch.zeros(len(ids), n, dtype=torch.bool)

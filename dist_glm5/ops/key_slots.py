@@ -59,15 +59,16 @@ class RowsKeys:
     block_size: int
 
     @classmethod
-    def of(cls, tok, q_pos, real: torch.Tensor, counts: list[int], keys: list[KeySlots]):
-        """tok, q_pos [B, n] padded per sequence; real [R] the flat indices of the real rows
-        (AttnGroup.real); counts[b] real rows of sequence b."""
+    def of(cls, tok, q_pos, counts: list[int], keys: list[KeySlots]):
+        """tok, q_pos [R] the real rows' (flat, sequence after sequence); counts[b] real rows of
+        sequence b."""
         sizes = [len(k.table) for k in keys]
+        tables = keys[0].table if len(keys) == 1 else torch.cat([k.table for k in keys])
         return cls(
-            tok.reshape(-1)[real],
-            q_pos.reshape(-1)[real],
+            tok,
+            q_pos,
             torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32),
-            torch.cat([k.table for k in keys]).to(torch.int64),
+            tables if tables.dtype == torch.int64 else tables.to(torch.int64),
             torch.tensor([0, *itertools.accumulate(sizes)][:-1], dtype=torch.int64),
             torch.tensor([len(k) for k in keys], dtype=torch.int64),
             keys[0].block_size,
