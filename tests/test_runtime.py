@@ -130,3 +130,22 @@ def test_sampled_mtp_rows_mixed_with_greedy_rows(default_model_dir, reference):
     for i in (0, 2, 4):
         assert out[i].output == want[i]
     assert out[1].output != want[1] and len(out[1].output) == 16
+
+
+def test_batched_argmax_rows_beside_processed_rows(default_model_dir, reference):
+    """A decode batch's plain greedy rows take one argmax over the batch (worker._plain_greedy);
+    rows whose logits are processed (bad_words, min_tokens, a penalty) keep the per-row path in
+    the same step. Each equals its own run alone (one row: the per-row path) and the plain rows
+    equal generate()."""
+    ps, want = reference
+    ban = SamplingParams(max_tokens=16, ignore_eos=True, bad_words=((want[1][0],),))
+    eos = want[2][3]  # a token this prompt's greedy text emits: as a stop id under min_tokens
+    held = SamplingParams(max_tokens=16, stop_token_ids=(eos,), min_tokens=8)
+    pen = SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.3)
+    params = [GREEDY, ban, held, pen, GREEDY]
+    together = coordinator(default_model_dir).run(ps, params)
+    assert together[0].output == want[0] and together[4].output == want[4]
+    assert want[1][0] not in together[1].output
+    for i in (1, 2, 3):
+        alone = coordinator(default_model_dir).run([ps[i]], params[i])
+        assert together[i].output == alone[0].output, i
