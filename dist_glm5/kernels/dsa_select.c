@@ -32,14 +32,24 @@
 
 /* v8 (common.h): the tile's accumulators stay in registers */
 
-/* Per-thread scratch kept between calls (grown, never shrunk): a decode step selects once per
- * full layer over about the same keys, and a fresh malloc of buffers over L keys is, past
- * glibc's 128 KiB threshold, an mmap whose pages fault in (and a munmap) on every call. OpenMP's
- * threads persist between regions, so each keeps its own. Slots: one per buffer a call holds at
- * once. Returns NULL when out of memory. */
+/* Per-thread scratch kept between calls: a decode step selects once per full layer over about
+ * the same keys, and a fresh malloc of buffers over L keys is, past glibc's 128 KiB threshold,
+ * an mmap whose pages fault in (and a munmap) on every call. OpenMP's threads persist between
+ * regions, so each keeps its own. Slots: one per buffer a call holds at once. Returns NULL when
+ * out of memory. A buffer over SCRATCH_KEEP (a prefill's rows x keys) is freed when its call
+ * ends (scratch_trim), as before: held between calls it would add to the peak the memory plan
+ * counts. */
 enum { SCR_BMAX, SCR_VALS, SCR_IDX, SCR_SCORES, SCR_POS, SCR_CNT, SCR_SLOTS, SCR_VALID, NSCR };
 static __thread void *scr_ptr[NSCR];
 static __thread size_t scr_cap[NSCR];
+#define SCRATCH_KEEP ((size_t)8 << 20) /* a decode row's scores over 2M keys */
+static void scratch_trim(int slot) {
+    if (scr_cap[slot] > SCRATCH_KEEP) {
+        free(scr_ptr[slot]);
+        scr_ptr[slot] = NULL;
+        scr_cap[slot] = 0;
+    }
+}
 static void *scratch(int slot, size_t bytes) {
     if (scr_cap[slot] < bytes) {
         free(scr_ptr[slot]);
@@ -167,15 +177,18 @@ static inline int chunk_keys(int64_t j0, int64_t b, int bs, int64_t L) {
     return (int)m;
 }
 
-/* scores [n, L]: the indexer scan, blocks split over threads. */
+/* scores [n, L]: the indexer scan, blocks split over threads when there are at least
+ * SCAN_PAR_MIN keys x rows (one decode row over a few thousand keys is tens of us: waking a
+ * second thread for it costs more than it saves). */
 /* bmax (NULL, or [n, ceil(L / 64)] when bs is a multiple of 64): each 64-key block's maximum. */
+#define SCAN_PAR_MIN 16384
 static void scan(const float *q, const float *w, int n, int H, int D, const void *store,
                  int bf16, const int64_t *table, int bs, int64_t L, float *scores, float *bmax,
                  int nthreads) {
     const int64_t ldm = (L + 63) / 64;
     const int64_t key_bytes = (int64_t)D * (bf16 ? 2 : 4);
     int64_t nblk = (L + bs - 1) / bs;
-#pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && (int64_t)n * L >= SCAN_PAR_MIN)
     {
         float kbT[64 * 256] __attribute__((aligned(32))); /* D <= 256, 64 keys at a time */
 #pragma omp for schedule(static)
@@ -297,7 +310,7 @@ int dsa_select(const float *q, const float *w, int n, int H, int D, const void *
     if (bs % 64 == 0 && !bmax) return -2;
     scan(q, w, n, H, D, store, bf16, table, bs, L, scores, bmax, nthreads);
     int failed = 0;
-#pragma omp parallel num_threads(n > 1 ? nthreads : 1) reduction(| : failed)
+#pragma omp parallel num_threads(nthreads) if (n > 1 && nthreads > 1) reduction(| : failed)
     {
         float *vals = (float *)scratch(SCR_VALS, sizeof(float) * (size_t)(L > 0 ? L : 1));
         int64_t *idx = (int64_t *)scratch(SCR_IDX, sizeof(int64_t) * (size_t)(L > 0 ? L : 1));
@@ -322,8 +335,44 @@ int dsa_select(const float *q, const float *w, int n, int H, int D, const void *
             if (out_valid)
                 for (int64_t j = 0; j < k; j++) out_valid[(int64_t)r * k + j] = j < c;
         }
+        scratch_trim(SCR_VALS);
+        scratch_trim(SCR_IDX);
     }
+    scratch_trim(SCR_BMAX);
     return failed ? -2 : 0;
+}
+
+/* Sequence s of dsa_select_many: its rows' selection with nthreads, into the batch's outputs. */
+static int select_seq(const float *q, const float *w, int s, const int32_t *row_off, int H, int D,
+                      const void *store, int bf16, const int64_t *tables, const int64_t *tab_off,
+                      int bs, const int64_t *Ls, const int64_t *q_pos, int topk,
+                      int64_t *out_slots, uint8_t *out_valid, int nthreads) {
+    const int r0 = row_off[s], n = row_off[s + 1] - r0;
+    const int64_t L = Ls[s];
+    const int k = topk < L ? topk : (int)L;
+    float *scores = (float *)scratch(SCR_SCORES, sizeof(float) * (size_t)(n * L + 1));
+    int64_t *pos = (int64_t *)scratch(SCR_POS, sizeof(int64_t) * (size_t)(n * k + 1));
+    int32_t *cnt = (int32_t *)scratch(SCR_CNT, sizeof(int32_t) * (size_t)(n + 1));
+    int64_t *slots = (int64_t *)scratch(SCR_SLOTS, sizeof(int64_t) * (size_t)(n * k + 1));
+    uint8_t *valid = (uint8_t *)scratch(SCR_VALID, (size_t)(n * k + 1));
+    int rc = -2;
+    if (scores && pos && cnt && slots && valid)
+        rc = dsa_select(q + (int64_t)r0 * H * D, w + (int64_t)r0 * H, n, H, D, store, bf16,
+                        tables + tab_off[s], bs, L, q_pos + r0, k, scores, pos, cnt, slots,
+                        valid, nthreads);
+    if (rc == 0)
+        for (int r = 0; r < n; r++) {
+            int64_t *so = out_slots + (int64_t)(r0 + r) * topk;
+            uint8_t *vo = out_valid + (int64_t)(r0 + r) * topk;
+            memcpy(so, slots + (int64_t)r * k, sizeof(int64_t) * k);
+            memcpy(vo, valid + (int64_t)r * k, (size_t)k);
+            for (int j = k; j < topk; j++) {
+                so[j] = so[0];
+                vo[j] = 0;
+            }
+        }
+    for (int i = SCR_SCORES; i <= SCR_VALID; i++) scratch_trim(i);
+    return rc;
 }
 
 /* dsa_select for the rows of S sequences in one call (a decode step's batch): sequence s owns
@@ -337,34 +386,15 @@ int dsa_select_many(const float *q, const float *w, int S, const int32_t *row_of
                     int bs, const int64_t *Ls, const int64_t *q_pos, int topk, int64_t *out_slots,
                     uint8_t *out_valid, int nthreads) {
     if (D > 256) return -1;
+    if (S == 1) /* not inside a region of one thread: the scan's own region would then be a
+                 * nested team, new threads each call (3 ms a call at 2 threads, measured) */
+        return select_seq(q, w, 0, row_off, H, D, store, bf16, tables, tab_off, bs, Ls, q_pos,
+                          topk, out_slots, out_valid, nthreads);
     int failed = 0;
-#pragma omp parallel for num_threads(S > 1 ? nthreads : 1) schedule(dynamic, 1) reduction(| : failed)
-    for (int s = 0; s < S; s++) {
-        const int r0 = row_off[s], n = row_off[s + 1] - r0;
-        const int64_t L = Ls[s];
-        const int k = topk < L ? topk : (int)L;
-        float *scores = (float *)scratch(SCR_SCORES, sizeof(float) * (size_t)(n * L + 1));
-        int64_t *pos = (int64_t *)scratch(SCR_POS, sizeof(int64_t) * (size_t)(n * k + 1));
-        int32_t *cnt = (int32_t *)scratch(SCR_CNT, sizeof(int32_t) * (size_t)(n + 1));
-        int64_t *slots = (int64_t *)scratch(SCR_SLOTS, sizeof(int64_t) * (size_t)(n * k + 1));
-        uint8_t *valid = (uint8_t *)scratch(SCR_VALID, (size_t)(n * k + 1));
-        int rc = -2;
-        if (scores && pos && cnt && slots && valid)
-            rc = dsa_select(q + (int64_t)r0 * H * D, w + (int64_t)r0 * H, n, H, D, store, bf16,
-                            tables + tab_off[s], bs, L, q_pos + r0, k, scores, pos, cnt, slots,
-                            valid, S > 1 ? 1 : nthreads);
-        if (rc == 0)
-            for (int r = 0; r < n; r++) {
-                int64_t *so = out_slots + (int64_t)(r0 + r) * topk;
-                uint8_t *vo = out_valid + (int64_t)(r0 + r) * topk;
-                memcpy(so, slots + (int64_t)r * k, sizeof(int64_t) * k);
-                memcpy(vo, valid + (int64_t)r * k, (size_t)k);
-                for (int j = k; j < topk; j++) {
-                    so[j] = so[0];
-                    vo[j] = 0;
-                }
-            }
-        failed |= rc != 0;
-    }
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
+    for (int s = 0; s < S; s++)
+        failed |= select_seq(q, w, s, row_off, H, D, store, bf16, tables, tab_off, bs, Ls, q_pos,
+                             topk, out_slots, out_valid, 1) != 0;
     return failed ? -2 : 0;
 }
+
