@@ -83,6 +83,12 @@ class _MLP:
         return self.down(lib, act, T, nt)
 
 
+def _hook_dicts(module: torch.nn.Module) -> list[dict]:
+    """The forward (pre-)hook dicts of module and its children: non-empty when something outside
+    watches or changes its work (read when the plan runs: hooks come and go)."""
+    return [d for s in module.modules() for d in (s._forward_hooks, s._forward_pre_hooks)]
+
+
 class _Layer:
     """One decoder layer's prepared arguments."""
 
@@ -91,7 +97,7 @@ class _Layer:
         self.module, self.i = layer, att.layer
         # the hook dicts of its modules (registering a hook fills them in place): any filled one
         # makes the modules run the step; kept as a list, checked per step in microseconds
-        self.hooks = [d for s in layer.modules() for d in (s._forward_hooks, s._forward_pre_hooks)]
+        self.hooks = _hook_dicts(layer)
         # every tensor whose address is kept is kept too (a replaced weight stays alive: the
         # model drops its plan when its weights move, Glm5Model._apply)
         self.keep = [p for p in layer.parameters()] + [b for b in layer.buffers()]
@@ -252,20 +258,18 @@ class DecodePlan:
         self.heads = {}
         for lin in (model.lm_head, mtp.shared_head.head if mtp is not None else None):
             if lin is not None and lin.bias is None and _bf16(lin.weight):
-                self.heads[id(lin)] = (lin, _Linear(lin))
+                self.heads[id(lin)] = (_Linear(lin), _hook_dicts(lin))
         self.gemv, self.sel, self.dec, self.norm, self.route = k.gemv, k.sel, k.dec, k.norm, k.route
         self.mx, self.w4 = k.mx, k.w4  # w4: the w4a8 experts kernel when chosen, else None
 
     def head(self, lin, h: torch.Tensor) -> torch.Tensor | None:
         """lin(h) as fp32 logits (h [T, H] normed bf16 rows), or None when not taken (the
         module runs: another head, more than ROWS rows, a hook on it)."""
-        got = self.heads.get(id(lin))
+        got = self.heads.get(id(lin))  # the model holds its heads: an id is not reused
         T = h.shape[0]
-        if got is None or got[0] is not lin or h.dtype != BF16 or not 0 < T <= ROWS:
+        if got is None or h.dtype != BF16 or not 0 < T <= ROWS or any(got[1]):
             return None
-        if lin._forward_hooks or lin._forward_pre_hooks:
-            return None
-        return got[1](self.gemv, h.contiguous(), T, torch.get_num_threads()).float()
+        return got[0](self.gemv, h.contiguous(), T, torch.get_num_threads()).float()
 
     def takes(self, x: torch.Tensor, batch, cache, keep, layers) -> bool:
         T = batch.num_tokens

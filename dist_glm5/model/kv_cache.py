@@ -242,30 +242,28 @@ def _small_group(ids: list[int], chunks: list[Chunk], spans, keys) -> AttnGroup:
     )
 
 
+def _long_group(i: int, chunks: list[Chunk], spans, keys) -> AttnGroup:
+    """A prefill chunk (more than SMALL_CHUNK tokens), attended alone: no padding."""
+    c, (a, b) = chunks[i], spans[i]
+    return AttnGroup(
+        [i],
+        torch.arange(a, b).unsqueeze(0),
+        torch.ones(1, c.length, dtype=torch.bool),
+        torch.arange(c.start, c.end).unsqueeze(0),
+        [keys[i]],
+        torch.arange(c.length),
+        [c.length],
+    )
+
+
 def make_groups(
     chunks: list[Chunk], keys: list[KeySlots], spans: list[tuple[int, int]]
 ) -> list[AttnGroup]:
+    """Each prefill chunk its own group, then the decode and verify chunks as one."""
+    out = [
+        _long_group(i, chunks, spans, keys) for i, c in enumerate(chunks) if c.length > SMALL_CHUNK
+    ]
     small = [i for i, c in enumerate(chunks) if c.length <= SMALL_CHUNK]
-    groups = [[i] for i, c in enumerate(chunks) if c.length > SMALL_CHUNK]
     if small:
-        groups.append(small)
-    out = []
-    for ids in groups:
-        n = max(chunks[i].length for i in ids)
-        if n <= SMALL_CHUNK:
-            out.append(_small_group(ids, chunks, spans, keys))
-            continue
-        tok = torch.empty(len(ids), n, dtype=torch.int64)
-        q_pos = torch.empty(len(ids), n, dtype=torch.int64)
-        valid = torch.zeros(len(ids), n, dtype=torch.bool)
-        for r, i in enumerate(ids):
-            c, (a, b) = chunks[i], spans[i]
-            tok[r] = a
-            tok[r, : c.length] = torch.arange(a, b)
-            q_pos[r] = c.start
-            q_pos[r, : c.length] = torch.arange(c.start, c.end)
-            valid[r, : c.length] = True
-        real = torch.cat([torch.arange(r * n, r * n + chunks[i].length) for r, i in enumerate(ids)])
-        counts = [chunks[i].length for i in ids]
-        out.append(AttnGroup(ids, tok, valid, q_pos, [keys[i] for i in ids], real, counts))
+        out.append(_small_group(small, chunks, spans, keys))
     return out
