@@ -14,10 +14,10 @@ from pathlib import Path
 
 
 def register(p: argparse.ArgumentParser) -> None:
-    from dist_glm5.train.trainer import PHASES
-
     p.add_argument("--out", default="train-default", help="run directory (state, log, export)")
-    p.add_argument("--steps", type=int, default=PHASES[-1].end)
+    p.add_argument(
+        "--steps", type=int, default=None, help="stop here (default: every phase of the recipe)"
+    )
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -43,6 +43,13 @@ def register(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="supervise two heads to read the previous line's indentation and last byte (off: "
         "the committed recipe)",
+    )
+    p.add_argument(
+        "--base-extra",
+        type=int,
+        default=0,
+        help="steps added to the base phase, the later phases moving with it (0: the committed "
+        "recipe; with --threads 2 the 3-hour budget holds about 1,800 more)",
     )
     p.add_argument(
         "--export-only",
@@ -72,5 +79,6 @@ def run(args: argparse.Namespace) -> int:
         skip_p=args.skip_p,
         indent_weight=args.indent_weight,
         line_heads=args.line_heads,
+        base_extra=args.base_extra,
     )
     return 0

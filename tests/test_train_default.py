@@ -335,3 +335,16 @@ def test_position_skips_jump_once_and_attention_still_crosses_the_jump():
         assert (w[:, :, 60, :50].sum(-1) > 0.01).all()  # not a packed-sequence boundary
         near = tr._near(1)  # rows t >= 1: row 50's previous byte is 10,001 positions back
         assert not near[:, 49].any() and near[:, 48].all() and near[:, 50].all()
+
+
+def test_base_extra_lengthens_the_base_phase_and_moves_the_later_ones():
+    assert td.phases(0) == td.PHASES
+    plan = td.phases(100)
+    drill, base = td.PHASES[0], td.PHASES[1]
+    assert plan[0] == drill  # the drill ends where it did
+    assert [(p.end - q.end, p.mix, p.train) for p, q in zip(plan[1:], td.PHASES[1:])] == [
+        (100, q.mix, q.train) for q in td.PHASES[1:]
+    ]
+    # a step of the old base phase's tail is still base; the draft phase ends 100 later
+    assert td.phase_of(base.end + 50, plan).mix == "base"
+    assert td.phase_of(plan[-1].end - 1, plan).train == "draft"

@@ -63,6 +63,7 @@ Earlier runs without the skips: seeds 0-2 held-out 1.55-1.70, no needle found pa
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -218,6 +219,19 @@ PHASES = [
     # of theirs moved the model's selection and cost 3 tool calls and a needle (p1d)
     Phase(3310, 512, 4, True, "base", "draft"),
 ]
+
+
+def phases(base_extra: int = 0) -> list[Phase]:
+    """The recipe's phases with the base phase `base_extra` steps longer (the later phases move
+    with it): with both cores (--threads 2, about 1.7x the steps an hour) the 3-hour budget
+    holds more of the base mix, where the code and the chats are learned."""
+    base_end = next(ph.end for ph in PHASES if ph.mix == "base")
+    return [
+        ph if ph.end < base_end else dataclasses.replace(ph, end=ph.end + base_extra)
+        for ph in PHASES
+    ]
+
+
 DRAFT_LR = 5e-4  # the draft layer's constant rate in the "draft" phase
 INDEXER_LR = 3e-3  # the indexers' constant rate in the "indexers" phase (and layer 2's always)
 
@@ -959,11 +973,11 @@ def line_keys(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return indent_key, end_key
 
 
-def phase_of(step: int) -> Phase:
-    for ph in PHASES:
+def phase_of(step: int, plan: list[Phase] = PHASES) -> Phase:
+    for ph in plan:
         if step < ph.end:
             return ph
-    return PHASES[-1]
+    return plan[-1]
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int = 50) -> float:
@@ -986,16 +1000,19 @@ def train(
     skip_p: float = 0.0,
     indent_weight: float = 0.0,
     line_heads: bool = False,
+    base_extra: int = 0,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
     checkpoint there when done. skip_p: the share of rows whose position ids jump
     (skip_positions; 0: none, the committed recipe); indent_weight: the bytes that decide a
     line's indentation (indent_targets) count 1 + indent_weight times in the LM loss (0: the
-    committed recipe); line_heads: supervise LINE_HEADS (off: the committed recipe)."""
+    committed recipe); line_heads: supervise LINE_HEADS (off: the committed recipe); base_extra:
+    steps added to the base phase (phases; 0: the committed recipe)."""
     from tqdm import tqdm
 
-    steps = PHASES[-1].end if steps is None else steps
+    plan = phases(base_extra)
+    steps = plan[-1].end if steps is None else steps
     torch.set_num_threads(threads)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1011,7 +1028,7 @@ def train(
         log.info("resumed at step %d", step)
     logf = open(out / "train.log", "a")
     # the cosine runs over the phases that train the model
-    model_steps = min(steps, max(ph.end for ph in PHASES if ph.train == "all"))
+    model_steps = min(steps, max(ph.end for ph in plan if ph.train == "all"))
     # the indexers are separate learners (detached inputs): their own clip, so their
     # supervision does not shrink the model's step (taken before any freeze_model, so every
     # parameter; frozen ones later have no grad and are not clipped)
@@ -1021,7 +1038,7 @@ def train(
     bar = tqdm(total=steps, initial=step, desc="train", dynamic_ncols=True)
     t0 = time.time()
     while step < steps:
-        ph = phase_of(step)
+        ph = phase_of(step, plan)
         (seq, batch), sparse = ph.shape(step), ph.sparse
         indexers_only, draft_only = ph.train == "indexers", ph.train == "draft"
         tr.set_sparse(sparse)
