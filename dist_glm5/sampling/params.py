@@ -90,19 +90,6 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
-    def plain_greedy(self) -> bool:
-        """Greedy with nothing that changes a row's logits but min_tokens, and no logprobs: the
-        token is the raw row's argmax (a batch of them, one call)."""
-        return (
-            self.greedy
-            and not self.logit_bias
-            and not self.bad_words
-            and not self.penalised
-            and self.grammar is None
-            and self.logprobs is None
-        )
-
-    @property
     def penalised(self) -> bool:
         return bool(self.frequency_penalty or self.presence_penalty) or (
             self.repetition_penalty != 1.0

@@ -43,6 +43,13 @@ def process_logits(
     return x
 
 
+def changes_logits(p: SamplingParams, n_out: int) -> bool:
+    """Whether process_logits changes a row's logits for `p` after n_out output tokens (where it
+    does not, a greedy row's token is its raw argmax: the worker batches those). A step added to
+    process_logits is added here."""
+    return bool(p.logit_bias) or n_out < p.min_tokens or bool(p.bad_words) or p.penalised
+
+
 def _penalise(x: torch.Tensor, p: SamplingParams, history: list[int], seen) -> torch.Tensor:
     V = x.shape[-1]
     out = torch.tensor(history, dtype=torch.int64)
