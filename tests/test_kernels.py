@@ -286,6 +286,24 @@ def test_an_edited_header_rebuilds_the_kernels_that_include_it(tmp_path, monkeyp
     assert again.v() == 2
 
 
+def test_processes_building_one_library_at_once_compile_it_once(tmp_path):
+    # a pipeline's workers start together: one compiles, the others wait for it and load it
+    cc = tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\necho x >> {tmp_path}/calls\nsleep 1\nexec gcc "$@"\n')
+    cc.chmod(0o755)
+    src = tmp_path / "k.c"
+    src.write_text("int v(void) { return 7; }\n")
+    code = (
+        "import ctypes, sys; from dist_glm5.kernels import build; "
+        f"lib = ctypes.CDLL(str(build.build(__import__('pathlib').Path({str(src)!r})))); "
+        "sys.exit(0 if lib.v() == 7 else 1)"
+    )
+    env = dict(os.environ, DIST_GLM5_HOME=str(tmp_path / "home"), CC=str(cc))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(3)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    assert (tmp_path / "calls").read_text().count("x") == 1
+
+
 def test_build_failure_warns_once_and_returns_none(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("DIST_GLM5_HOME", str(tmp_path))
     bad = tmp_path / "broken.c"

@@ -17,6 +17,7 @@ Contract of `load(source, flags)`:
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -88,17 +89,23 @@ def build(source: Path, flags: tuple[str, ...] = DEFAULT_FLAGS) -> Path:
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        cmd = [cc, str(source), "-o", tmp, *flags]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr.strip()}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # one compiler per library across processes (a pipeline's workers start together and would
+    # each compile the same file: minutes of CPU on 2 cores); the others wait, then load it
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return path
+        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            cmd = [cc, str(source), "-o", tmp, *flags]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr.strip()}")
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     log.debug("built %s", path)
     return path
 
