@@ -109,6 +109,7 @@ class Scheduler:
         self.preempted: list[int] = []  # preempted: the next plan drops their cache only
         self.sent: dict[int, list[tuple[Sequence, SeqWork]]] = {}  # step -> what went out
         self.kinds: dict[int, str] = {}  # step -> "prefill" (any prompt chunk in it) or "decode"
+        self.rows: dict[int, int] = {}  # step -> sequences in it (profiles: was the batch whole)
         self.num_preemptions = 0
 
     # ---- requests ------------------------------------------------------------------------
@@ -171,8 +172,10 @@ class Scheduler:
             return None
         if work:
             self.kinds[step] = "prefill" if any(s.prefilling for s, _ in work) else "decode"
+            self.rows[step] = len(work)
             while len(self.kinds) > KINDS_KEPT:
                 del self.kinds[next(iter(self.kinds))]
+                del self.rows[next(iter(self.rows))]
         for s, w in work:
             s.in_flight += 1
             s.num_scheduled = w.start + len(w.tokens)

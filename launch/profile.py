@@ -193,23 +193,63 @@ def roofline_fraction(d, args, decode: dict, bandwidth_gbs: float) -> dict:
     return out
 
 
+def output_tokens(args: argparse.Namespace) -> int:
+    """Tokens each sequence is asked for: --decode-steps once every prompt is in. The first
+    sequences decode while the later prompts prefill (a token a step at most), so they are asked
+    for that many more: else they finish before the batch is whole."""
+    prefill_steps = args.batch * -(-args.ctx // args.chunk_tokens) if args.batch > 1 else 0
+    return args.decode_steps + 1 + prefill_steps
+
+
+def workload_blocks(args: argparse.Namespace) -> int:
+    """Cache blocks that hold the whole batch at once (every prompt, its output and an MTP
+    draft's row): with fewer, sequences wait for others' blocks and the decode steps measured
+    are smaller than the batch asked for."""
+    per_seq = -(-(args.ctx + output_tokens(args) + 1) // args.block_size)
+    return args.batch * per_seq
+
+
+def whole_batch_kinds(kinds: dict[int, str], rows: dict[int, int], batch: int) -> dict[int, str]:
+    """The steps' kinds with a decode of fewer than `batch` sequences (the first to finish
+    leave early) named "decode-partial", so the decode anatomy is the batch asked for."""
+    return {
+        st: "decode-partial" if k == "decode" and rows.get(st, 0) < batch else k
+        for st, k in kinds.items()
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from dist_glm5.sampling.params import SamplingParams
 
     d = model_dir(args)
-    engine = build_engine(engine_config(args, d, profile=True))
+    blocks = max(args.cache_blocks, workload_blocks(args))
+    engine = build_engine(engine_config(args, d, profile=True, cache_blocks=blocks))
     try:
         g = torch.Generator().manual_seed(0)
         prompts = [
             torch.randint(0, 256, (args.ctx,), generator=g).tolist() for _ in range(args.batch)
         ]
-        engine.run(prompts, SamplingParams(max_tokens=args.decode_steps + 1, ignore_eos=True))
+        engine.run(prompts, SamplingParams(max_tokens=output_tokens(args), ignore_eos=True))
     finally:
         engine.close()
     events_by = engine.step_events
-    kinds = engine.scheduler.kinds
+    # a step carries one micro-batch: the batch split over those in flight
+    per_step = -(-args.batch // (args.microbatches or args.stages))
+    kinds = whole_batch_kinds(engine.scheduler.kinds, engine.scheduler.rows, per_step)
+    whole = sum(k == "decode" for k in kinds.values())
+    if not whole:
+        raise SystemExit(
+            f"no decode step ran {per_step} sequences together, so there is no decode step of "
+            "that batch to show: raise --decode-steps or --cache-blocks"
+        )
+    log.info(
+        "decode anatomy over %d steps of %d sequences (%d smaller decode steps left out)",
+        whole,
+        per_step,
+        sum(k == "decode-partial" for k in kinds.values()),
+    )
     result = {
         "workload": {
             "ctx": args.ctx,

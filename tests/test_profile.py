@@ -3,6 +3,7 @@ a PNG."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -115,3 +116,21 @@ def test_timeline_plot(tmp_path):
     assert a.shape[1] == b.shape[1] >= 1000 and b.shape[0] > a.shape[0]  # a row more, same width
     assert plot_timeline(tmp_path / "none.png", {(0, 0): []}, "nothing") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_decode_anatomy_counts_only_steps_of_the_whole_batch():
+    from dist_glm5.launch.profile import output_tokens, whole_batch_kinds, workload_blocks
+
+    kinds = {0: "prefill", 1: "decode", 2: "decode", 3: "decode"}
+    rows = {0: 3, 1: 3, 2: 3, 3: 2}  # the first sequence to finish leaves step 3 smaller
+    assert whole_batch_kinds(kinds, rows, 3) == {
+        0: "prefill",
+        1: "decode",
+        2: "decode",
+        3: "decode-partial",
+    }
+    # 8 prompts of 32K in chunks of 2K: the first decodes through the others' 128 chunk steps,
+    # then 64 decode steps; at 64-token blocks ceil((32,768 + 193 + 1) / 64) = 516 blocks each
+    args = argparse.Namespace(ctx=32768, decode_steps=64, batch=8, block_size=64, chunk_tokens=2048)
+    assert output_tokens(args) == 64 + 1 + 8 * 16
+    assert workload_blocks(args) == 8 * 516
