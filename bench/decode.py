@@ -55,7 +55,7 @@ SMALL = dict(
     index_n_heads=8,
     index_head_dim=64,
     index_topk=256,
-    max_position_embeddings=16384,
+    max_position_embeddings=65536,  # flatness is measured at 32K (the weights do not depend on it)
     bos_token_id=0,
     eos_token_id=1,
 )
@@ -95,6 +95,13 @@ def small_model_dirs() -> tuple[Path, Path]:
     if not (mx / "config.json").exists():
         log.info("encoding its routed experts to MXFP4 in %s", mx)
         convert_glm53(bf16, mx)
+    for d in (bf16, mx):  # a cache made when the context stopped at 16K: the same weights
+        cfg_path = d / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        if cfg.get("max_position_embeddings") != SMALL["max_position_embeddings"]:
+            log.info("%s: max_position_embeddings -> %d", d, SMALL["max_position_embeddings"])
+            cfg["max_position_embeddings"] = SMALL["max_position_embeddings"]
+            cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     return bf16, mx
 
 
