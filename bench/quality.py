@@ -154,14 +154,24 @@ def engine(model_dir, stages=1, mtp=False, dsa=None, blocks=1024, chunk=256, dty
 
 
 # ---- MTP -------------------------------------------------------------------------------------
-def mtp_figures(model_dir, texts, n_tokens: int) -> dict:
+def heldout_prompts(texts: list[bytes], n: int, size: int = 384, stride: int = 1024) -> list:
+    """n prompts of `size` bytes: every text's window at 0, then every text's at `stride`, and
+    so on (so the first len(texts) are the texts' openings)."""
+    windows = [list(t[o : o + size]) for o in range(0, max(map(len, texts)), stride) for t in texts]
+    windows = [w for w in windows if len(w) == size]
+    if len(windows) < n:
+        raise ValueError(f"{n} prompts of {size} bytes asked; the texts hold {len(windows)}")
+    return windows[:n]
+
+
+def mtp_figures(model_dir, texts, n_tokens: int, n_prompts: int = 6) -> dict:
     """Acceptance and decode speed with and without MTP, as `launch generate` runs them (the
     checkpoint's dtype, sparse DSA): the two engines take turns per prompt, so both see the same
     minutes of a shared machine."""
     from dist_glm5.model.dsa_config import DSAConfig
     from dist_glm5.sampling.params import SamplingParams
 
-    prompts = [list(t[:384]) for t in texts[:6]]
+    prompts = heldout_prompts(texts, n_prompts)
     out = {
         "prompts": f"{len(prompts)} held-out prompts x 384 bytes, {n_tokens} new tokens each",
         "engine": "the checkpoint's dtype, sparse DSA (as launch generate); decode steps timed",
@@ -203,7 +213,10 @@ def mtp_figures(model_dir, texts, n_tokens: int) -> dict:
                 "ms_per_step": round(1e3 * t["secs"] / max(1, t["steps"]), 3),
             }
             if mtp:
-                out[key]["acceptance"] = round(t["acc"] / max(1, t["prop"]), 3)
+                a = t["acc"] / max(1, t["prop"])
+                out[key]["acceptance"] = round(a, 3)
+                # drafts as independent trials: the figure's sampling noise, not a bound
+                out[key]["acceptance_se"] = round(math.sqrt(a * (1 - a) / max(1, t["prop"])), 3)
                 out[key]["drafts"] = [t["prop"], t["acc"]]
         out[f"{name}_speedup"] = round(
             out[f"{name}_mtp"]["tokens_per_s"] / out[f"{name}_plain"]["tokens_per_s"], 3

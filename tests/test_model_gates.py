@@ -36,3 +36,14 @@ def test_code_check(text, ok):
 def test_code_check_counts_the_repeat():
     r = code_check("        return the the the the")
     assert r["longest_repeat"] == 4 and r["distinct_names"] == 2
+
+
+def test_heldout_prompts_take_every_texts_opening_then_later_windows():
+    from dist_glm5.bench.quality import heldout_prompts
+
+    texts = [bytes([i]) * 2500 for i in range(3)]  # windows at 0, 1024 and 2048 fit 384 bytes
+    got = heldout_prompts(texts, 7)
+    assert got[:3] == [list(t[:384]) for t in texts]  # the openings, as 6 prompts took before
+    assert got[3:6] == [list(t[1024:1408]) for t in texts] and got[6] == list(texts[0][2048:2432])
+    with pytest.raises(ValueError, match="10 prompts of 384 bytes asked; the texts hold 9"):
+        heldout_prompts(texts, 10)
