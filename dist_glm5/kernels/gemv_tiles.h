@@ -97,4 +97,22 @@ static CLONES void product(const float *xf, int m, int K, const uint16_t *w, int
     }
 }
 
+/* Several products of the same x (np of them: weights w[i] [N[i], K], biases b[i] or NULL,
+ * outputs y[i]) in one parallel region over all their quads: a decode step's projections of
+ * one row are a few small products each, and a region per product paid its fork and join and
+ * its idle thread on the smallest. The same quads as product(), so the same bits. */
+static CLONES __attribute__((unused)) void products(const float *xf, int m, int K, int np, const uint16_t *const *w,
+                            const int *N, const uint16_t *const *b, uint16_t *const *y,
+                            int nthreads) {
+    int start[9] = {0}; /* np <= 8: quad offsets of each product */
+    for (int i = 0; i < np; i++) start[i + 1] = start[i] + (N[i] + 3) / 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int q = 0; q < start[np]; q++) {
+        int i = 0;
+        while (q >= start[i + 1]) i++;
+        int n0 = 4 * (q - start[i]), wr = N[i] - n0 < 4 ? N[i] - n0 : 4;
+        rows(xf, m, K, w[i], n0, wr, b[i], y[i], N[i]);
+    }
+}
+
 #endif

@@ -110,18 +110,23 @@ CLONES int mla_project(const struct mla_proj *p, int nthreads) {
     if (!xf || !qf || !qa || !qr || !ckv || !row || !ik || !iwb) goto done;
     widen_rows(p->x, (int64_t)T * H, xf);
     /* the products of x */
-    product(xf, T, H, p->w_qa, QL, p->b_qa, qa, nthreads);
-    product(xf, T, H, p->w_kva, KV, p->b_kva, ckv, nthreads);
-    if (ix) {
-        product(xf, T, H, p->w_ik, p->i_dim, NULL, ik, nthreads);
-        product(xf, T, H, p->w_iw, p->i_heads, NULL, iwb, nthreads);
+    {
+        const uint16_t *w[4] = {p->w_qa, p->w_kva, p->w_ik, p->w_iw};
+        const uint16_t *b[4] = {p->b_qa, p->b_kva, NULL, NULL};
+        uint16_t *y[4] = {qa, ckv, ik, iwb};
+        const int N[4] = {QL, KV, p->i_dim, p->i_heads};
+        products(xf, T, H, ix ? 4 : 2, w, N, b, y, nthreads);
     }
     /* q_resid, then its products */
     for (int t = 0; t < T; t++)
         rms_row(qa + (int64_t)t * QL, QL, 1, p->n_qa, p->eps_qa, qr + (int64_t)t * QL);
     widen_rows(qr, (int64_t)T * QL, qf);
-    product(qf, T, QL, p->w_qb, p->heads * hd, NULL, p->q, nthreads);
-    if (ix) product(qf, T, QL, p->w_iq, NI, NULL, p->iq, nthreads);
+    {
+        const uint16_t *w[2] = {p->w_qb, p->w_iq}, *b[2] = {NULL, NULL};
+        uint16_t *y[2] = {p->q, p->iq};
+        const int N[2] = {p->heads * hd, NI};
+        products(qf, T, QL, ix ? 2 : 1, w, N, b, y, nthreads);
+    }
     for (int t = 0; t < T; t++) {
         const float *ct = p->cos + (int64_t)t * half, *sn = p->sin + (int64_t)t * half;
         /* MLA ropes each head's last dims, the indexer its first ones */
