@@ -141,13 +141,23 @@ def tool_requests() -> list[dict]:
 
 # ---- checks ------------------------------------------------------------------------------------
 _PY_LINE = re.compile(r"^\s*([A-Za-z_#@\"'(\[\])}]|$)")
-_REPEAT = re.compile(r"\b([A-Za-z_]\w*)(?:[ \t]+\1\b)+")  # a word, then itself again and again
+
+
+def longest_repeat(text: str) -> int:
+    """The most times a phrase of 1-3 words follows itself back to back (`the the the`, and p4's
+    `the path the path the path`): a loop, where no line of Python says one thing three times."""
+    best = 1
+    for k in (1, 2, 3):
+        phrase = r"[A-Za-z_]\w*" + r"[ \t]+[A-Za-z_]\w*" * (k - 1)
+        for m in re.finditer(rf"\b({phrase})(?:[ \t]+\1\b)+", text):
+            best = max(best, len(m.group(0).split()) // k)
+    return best
 
 
 def code_check(text: str) -> dict:
     """Do the lines read as Python, how long is the longest run of spaces past indentation, and
-    does a word repeat back to back (`return the the the ...`: indented right, and a loop, not
-    Python; no line of Python names one thing three times in a row)."""
+    does a phrase repeat back to back (`return the the the ...`: indented right, and a loop, not
+    Python: longest_repeat)."""
     lines = text.split("\n")
     pythonic = sum(bool(_PY_LINE.match(line)) for line in lines)
     inner = [m.group(0) for line in lines for m in re.finditer(r" {2,}", line.lstrip(" "))]
@@ -157,7 +167,7 @@ def code_check(text: str) -> dict:
     inner += [x for x in body if x and not x.strip(" ")]
     longest = max((len(s) for s in inner), default=0)
     words = re.findall(r"[A-Za-z_][A-Za-z0-9_]{2,}", text)
-    repeats = max((len(m.group(0).split()) for m in _REPEAT.finditer(text)), default=1)
+    repeats = longest_repeat(text)
     return {
         "lines": len(lines),
         "python_lines": pythonic,

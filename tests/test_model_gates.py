@@ -22,6 +22,8 @@ PYTHON = (
         (PYTHON + "        ", True),  # an indentation the token budget cut short
         (" " * 96, False),  # the shipped model's greedy text in session 9
         ("        return the the the the the the the the", False),
+        # p4's greedy text: a two-word loop, inside a docstring
+        ('        """Return the path the path the path the path the pa', False),
         ("        path = os.path.join(dirpath, name)   # x", True),  # one run of 3 spaces
         ("        path = os.path.join(dirpath,     name)", False),  # a run of 5 past indentation
         ("        value = self.self.self.name + other", True),  # a chain is not a repeat
