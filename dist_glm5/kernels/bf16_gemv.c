@@ -31,7 +31,7 @@ CLONES int bf16_gemv(const uint16_t *x, int m, int K, const uint16_t *w, int N, 
     float *xf = malloc((size_t)m * K * sizeof(float));
     if (!xf) return -1;
     for (int64_t i = 0; i < (int64_t)m * K; i++) xf[i] = bf16_to_f32(x[i]);
-    product(xf, m, K, w, N, b, y, nthreads);
+    products(xf, m, K, 1, &w, &N, &b, &y, nthreads);
     free(xf);
     return 0;
 }

@@ -397,4 +397,3 @@ int dsa_select_many(const float *q, const float *w, int S, const int32_t *row_of
                              topk, out_slots, out_valid, 1) != 0;
     return failed ? -2 : 0;
 }
-

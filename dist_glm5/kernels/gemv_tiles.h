@@ -82,26 +82,16 @@ static inline __attribute__((always_inline)) void rows(const float *xf, int m, i
     }
 }
 
-/* Every weight row against every x row (xf: x widened to fp32), weight rows in quads over
- * threads; a product's bits depend on m, never on the thread count. A function with its own
- * target clones, not an inlined helper: OpenMP outlines a parallel region before inlining, so a
- * region inside an always-inline helper compiled once, for the baseline ISA, whatever its
- * includer's clone (every decode product ran in SSE2 code until this). */
-static CLONES void product(const float *xf, int m, int K, const uint16_t *w, int N,
-                           const uint16_t *b, uint16_t *y, int nthreads) {
-    int quads = (N + 3) / 4;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int q = 0; q < quads; q++) {
-        int n0 = 4 * q, wr = N - n0 < 4 ? N - n0 : 4;
-        rows(xf, m, K, w, n0, wr, b, y, N);
-    }
-}
-
-/* Several products of the same x (np of them: weights w[i] [N[i], K], biases b[i] or NULL,
- * outputs y[i]) in one parallel region over all their quads: a decode step's projections of
- * one row are a few small products each, and a region per product paid its fork and join and
- * its idle thread on the smallest. The same quads as product(), so the same bits. */
-static CLONES __attribute__((unused)) void products(const float *xf, int m, int K, int np, const uint16_t *const *w,
+/* Every weight row of np products of the same x against every x row (xf: x widened to fp32;
+ * product i: weights w[i] [N[i], K], bias b[i] or NULL, output y[i]), weight rows in quads over
+ * threads, all the products' quads in one parallel region: a decode step's projections of one
+ * row are a few small products, and a region per product paid its fork, join and idle thread on
+ * the smallest. A product's bits depend on m, never on the thread count or its companions.
+ * A function with its own target clones, not an inlined helper: OpenMP outlines a parallel
+ * region before inlining, so a region inside an always-inline helper compiled once, for the
+ * baseline ISA, whatever its includer's clone (every decode product ran in SSE2 code until
+ * this). */
+static CLONES void products(const float *xf, int m, int K, int np, const uint16_t *const *w,
                             const int *N, const uint16_t *const *b, uint16_t *const *y,
                             int nthreads) {
     int start[9] = {0}; /* np <= 8: quad offsets of each product */
