@@ -52,6 +52,13 @@ def register(p: argparse.ArgumentParser) -> None:
         "recipe; with --threads 2 the 3-hour budget holds about 1,800 more)",
     )
     p.add_argument(
+        "--unloop",
+        type=int,
+        default=0,
+        help="steps of an unloop phase (unlikelihood on the model's own greedy loops) before the "
+        "indexers' and the draft's (0: the committed recipe)",
+    )
+    p.add_argument(
         "--export-only",
         action="store_true",
         help="export the run's last saved step to --export and stop (gate a run as it goes)",
@@ -80,5 +87,6 @@ def run(args: argparse.Namespace) -> int:
         indent_weight=args.indent_weight,
         line_heads=args.line_heads,
         base_extra=args.base_extra,
+        unloop_steps=args.unloop,
     )
     return 0

@@ -5,12 +5,14 @@ else."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 import torch
 
 from dist_glm5.train import trainer as td
+from dist_glm5.train import unloop
 
 TINY = dict(
     td.TRAIN_CONFIG,
@@ -348,3 +350,99 @@ def test_base_extra_lengthens_the_base_phase_and_moves_the_later_ones():
     # a step of the old base phase's tail is still base; the draft phase ends 100 later
     assert td.phase_of(base.end + 50, plan).mix == "base"
     assert td.phase_of(plan[-1].end - 1, plan).train == "draft"
+
+
+def _loop_marks_by_regex(text: bytes, start: int) -> list[bool]:
+    """Oracle: every tandem repeat found by a backreference regex (a phrase of 1..PERIOD_MAX
+    bytes that follows itself back to back), its bytes past the first max(p, LOOP_MIN) after
+    the first copy marked."""
+    import re
+
+    out = [False] * len(text)
+    for p in range(1, unloop.PERIOD_MAX + 1):
+        for m in re.finditer(rb"(?=((.{%d})\2+))" % p, text, re.S):
+            span = m.start(1), m.end(1)
+            first = span[0] + p + max(p, unloop.LOOP_MIN) - 1  # the first byte a run counts
+            for t in range(max(first, start), span[1]):
+                out[t] = True
+    return out
+
+
+def test_loop_marks_are_the_tandem_repeats_a_regex_finds():
+    """unloop.loop_marks against a backreference regex, on the loops the gates met (p4's greedy
+    code and free strings, p1e's spaces) and on code that repeats phrases, but not back to back."""
+    texts = [
+        b'        """Return the path the path the path the path the path',
+        b'<arg_value>["slect","slect","slect","slect","slect","slect","slect"',
+        b"    for x in y:\n" + b" " * 96,
+        b"x = 10000000000000000000000000000000000000",
+        b"def f(self):\n        self.a = a\n        self.b = b\n        return self.a + self.b\n",
+        b"    # " + b"-" * 40 + b"\n",
+    ]
+    for text in texts:
+        for start in (0, 20):
+            assert unloop.loop_marks(list(text), start) == _loop_marks_by_regex(text, start), text
+    # what Python repeats (indentation up to LOOP_MIN, names on following lines) is not a loop
+    assert not any(unloop.loop_marks(list(texts[4])))
+    loop = list(texts[0])
+    assert sum(unloop.loop_marks(loop)) > 20 and not any(unloop.loop_marks(loop, len(loop)))
+
+
+def test_unlikelihood_is_minus_log_one_minus_p_of_the_marked_ids():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 7, 11, generator=g) * 3
+    ids = torch.randint(0, 11, (2, 7), generator=g)
+    marks = torch.zeros(2, 7, dtype=torch.bool)
+    marks[0, 3] = marks[1, 6] = marks[1, 1] = True
+    p = torch.softmax(logits.double(), -1)
+    want = [-math.log(1 - p[b, t - 1, ids[b, t]].item()) for b, t in ((0, 3), (1, 1), (1, 6))]
+    got = unloop.unlikelihood(logits, ids, marks)
+    assert got.item() == pytest.approx(sum(want) / 3, rel=1e-5)
+    assert unloop.unlikelihood(logits, ids, torch.zeros_like(marks)).item() == 0.0
+    # the first id has no row before it: a mark there pushes nothing
+    first = torch.zeros_like(marks)
+    first[0, 0] = True
+    assert unloop.unlikelihood(logits, ids, first).item() == 0.0
+
+
+def test_unloop_phase_goes_before_the_indexers_and_the_draft():
+    assert td.phases(0, 0) == td.PHASES
+    plan = td.phases(0, 40)
+    ul = [ph for ph in plan if ph.unlikelihood]
+    assert len(ul) == 1 and ul[0].train == "all" and ul[0].sparse
+    i = plan.index(ul[0])
+    assert plan[i + 1].train == "indexers" and plan[-1].train == "draft"
+    assert ul[0].end - plan[i - 1].end == 40
+    assert [ph.end - 40 for ph in plan[i + 1 :]] == [ph.end for ph in td.PHASES[i:]]
+
+
+def test_unloop_loss_pushes_down_the_models_own_loop():
+    """A tiny model's greedy continuation (transformers' generate, its own indexers) of a prompt
+    that ends in a loop continues it; the unloop loss marks those bytes, reaches the model's
+    weights, and one step against it lowers the loop byte's probability. The trainer's own
+    indexers are back afterwards."""
+    tr = _trainer()
+    tr.set_sparse(True)
+    prompt = list(b"ab" * 40)
+    with tr.generating() as m:
+        cont = unloop.greedy(m, prompt)
+    assert all(
+        tr._layer(i).self_attn.indexer.forward.__func__ is td._indexer_forward for i in tr.indexers
+    )
+    row = torch.tensor([prompt + cont])
+    marks = unloop.loop_marks(row[0].tolist(), start=len(prompt))
+    loss, n = tr.unloop_loss([prompt])
+    assert n == sum(marks)
+    if not n:  # the random model left the loop at once: nothing to push
+        assert loss.item() == 0.0
+        return
+    opt = torch.optim.SGD(tr.parameters(), lr=0.5)
+    loss.backward()
+    assert any(p.grad is not None and p.grad.any() for p in tr.model.parameters())
+    before = loss.item()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        logits = tr.model(input_ids=row).logits
+    after = unloop.unlikelihood(logits, row, torch.tensor([marks])).item()
+    assert after < before

@@ -62,6 +62,7 @@ Earlier runs without the skips: seeds 0-2 held-out 1.55-1.70, no needle found pa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -77,6 +78,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import unloop
 from .structure import N_JSON, N_TAG, structure_targets
 
 log = logging.getLogger(__name__)
@@ -192,6 +194,9 @@ class Phase:
     # every long_every-th step runs one row of LONG_SEQ instead (0: never): the dense phases
     # see the distances the sparse phases ask for (see the module docstring)
     long_every: int = 0
+    # the weight of the unlikelihood loss on the model's own greedy loops (unloop.py), beside
+    # the usual losses, at the constant UNLOOP_LR (0: off)
+    unlikelihood: float = 0.0
 
     def shape(self, step: int) -> tuple[int, int]:
         """(seq, batch) of this step."""
@@ -221,18 +226,30 @@ PHASES = [
 ]
 
 
-def phases(base_extra: int = 0) -> list[Phase]:
+def phases(base_extra: int = 0, unloop: int = 0) -> list[Phase]:
     """The recipe's phases with the base phase `base_extra` steps longer (the later phases move
     with it): with both cores (--threads 2, about 1.7x the steps an hour) the 3-hour budget
-    holds more of the base mix, where the code and the chats are learned."""
+    holds more of the base mix, where the code and the chats are learned. unloop: an "unloop"
+    phase of that many steps (the unlikelihood loss on the model's own greedy loops, unloop.py)
+    after the long sparse phases, before the indexers' and the draft's (they fit the final
+    model)."""
     base_end = next(ph.end for ph in PHASES if ph.mix == "base")
-    return [
+    plan = [
         ph if ph.end < base_end else dataclasses.replace(ph, end=ph.end + base_extra)
         for ph in PHASES
     ]
+    if not unloop:
+        return plan
+    at = next(i for i, ph in enumerate(plan) if ph.train == "indexers")
+    ul = Phase(plan[at - 1].end + unloop, 512, 4, True, "base", unlikelihood=UNLOOP_WEIGHT)
+    later = [dataclasses.replace(ph, end=ph.end + unloop) for ph in plan[at:]]
+    return plan[:at] + [ul] + later
 
 
 DRAFT_LR = 5e-4  # the draft layer's constant rate in the "draft" phase
+UNLOOP_LR = 2e-4  # the model's constant rate in the "unloop" phase: the cosine's floor
+UNLOOP_WEIGHT = 1.0  # Welleck et al.'s alpha
+UNLOOP_ROWS = (2, 2)  # code prompts, chat prompts continued greedily each unloop step
 INDEXER_LR = 3e-3  # the indexers' constant rate in the "indexers" phase (and layer 2's always)
 
 # Positional skips (PoSE: Zhu et al. 2023, "Efficient context window extension of LLMs via
@@ -795,6 +812,42 @@ class Trainer:
         kl = self.indexer_kl()
         return {"lm": lm, "mtp": mtp, "mtp_kl": mtp_distill(ml, logits), "kl": kl}
 
+    @contextlib.contextmanager
+    def generating(self):
+        """The model as transformers serves it (eval, its own cached DSA indexers), for greedy
+        continuations; the trainer's indexers are back on exit."""
+        ixs = [self._layer(i).self_attn.indexer for i in self.indexers]
+        for ix in ixs:
+            del ix.forward  # the class's: transformers' indexer, with its cache
+        self.model.eval()
+        try:
+            yield self.model
+        finally:
+            for ix in ixs:
+                ix.forward = types.MethodType(_indexer_forward, ix)
+            self.model.train()
+
+    def unloop_loss(self, prompts: list[list[int]]) -> tuple[torch.Tensor, int]:
+        """The sequence-level unlikelihood loss (unloop.py) on the model's greedy continuations of
+        prompts, and how many bytes of them continue a loop. Rows of their own lengths, one
+        forward each, with no forced keys (the indexers select alone, as they serve)."""
+        with self.generating() as m:
+            conts = [unloop.greedy(m, pr) for pr in prompts]
+        for i in self.indexers:
+            self._layer(i).self_attn.indexer.force = None
+        total, n = 0.0, 0
+        for pr, cont in zip(prompts, conts):
+            row = pr + cont
+            marks = unloop.loop_marks(row, start=len(pr))
+            k = sum(marks)
+            if not k:
+                continue
+            ids = torch.tensor([row])
+            logits = self.model(input_ids=ids).logits
+            total = total + k * unloop.unlikelihood(logits, ids, torch.tensor([marks]))
+            n += k
+        return (total / n if n else torch.zeros(())), n
+
     @torch.no_grad()
     def balance(self) -> None:
         for i, gate in self.routers.items():
@@ -872,6 +925,13 @@ class Data:
         doc = (doc + b"\n" * n)[:n]
         src = (list(src or []) + [-1] * n)[:n]
         return list(doc), induction_targets(doc, src), [False] * n
+
+    def unloop_prompts(self, step: int) -> list[list[int]]:
+        """UNLOOP_ROWS prompts of step (code windows, then chats up to the assistant's turn)."""
+        rng = random.Random(f"unloop:{self.seed}:{step}")
+        n_code, n_chat = UNLOOP_ROWS
+        code = [unloop.code_prompt(rng, self.text) for _ in range(n_code)]
+        return code + [unloop.chat_prompt(rng, self.words) for _ in range(n_chat)]
 
     def batch(self, step: int, seq: int, batch: int, mix: str = "base"):
         """(ids [batch, seq], induction targets [batch, seq], assistant's ids [batch, seq])."""
@@ -987,6 +1047,20 @@ def lr_at(step: int, steps: int, peak: float, warmup: int = 50) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
+def set_rates(opt, ph: Phase, step: int, model_steps: int, lr: float) -> None:
+    """Every AdamW group's rate at step: constant in the draft, indexers' and unloop phases and
+    for the induction layer's indexer ("const"), the cosine of the model's phases otherwise."""
+    for g in opt.param_groups:
+        if ph.train == "draft":
+            g["lr"] = DRAFT_LR
+        elif g["const"] or ph.train == "indexers":
+            g["lr"] = INDEXER_LR
+        elif ph.unlikelihood:
+            g["lr"] = g["lr_mult"] * UNLOOP_LR
+        else:
+            g["lr"] = g["lr_mult"] * lr_at(step, model_steps, lr)
+
+
 # ---- the run -----------------------------------------------------------------------------------
 def train(
     out: Path,
@@ -1001,6 +1075,7 @@ def train(
     indent_weight: float = 0.0,
     line_heads: bool = False,
     base_extra: int = 0,
+    unloop_steps: int = 0,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1008,10 +1083,11 @@ def train(
     (skip_positions; 0: none, the committed recipe); indent_weight: the bytes that decide a
     line's indentation (indent_targets) count 1 + indent_weight times in the LM loss (0: the
     committed recipe); line_heads: supervise LINE_HEADS (off: the committed recipe); base_extra:
-    steps added to the base phase (phases; 0: the committed recipe)."""
+    steps added to the base phase (phases; 0: the committed recipe); unloop_steps: the "unloop"
+    phase's steps (phases; 0: none, the committed recipe)."""
     from tqdm import tqdm
 
-    plan = phases(base_extra)
+    plan = phases(base_extra, unloop_steps)
     steps = plan[-1].end if steps is None else steps
     torch.set_num_threads(threads)
     out = Path(out)
@@ -1027,8 +1103,9 @@ def train(
         step = st["step"]
         log.info("resumed at step %d", step)
     logf = open(out / "train.log", "a")
-    # the cosine runs over the phases that train the model
-    model_steps = min(steps, max(ph.end for ph in plan if ph.train == "all"))
+    # the cosine runs over the phases that train the model (the unloop phase at its own rate)
+    cosine = [ph.end for ph in plan if ph.train == "all" and not ph.unlikelihood]
+    model_steps = min(steps, max(cosine))
     # the indexers are separate learners (detached inputs): their own clip, so their
     # supervision does not shrink the model's step (taken before any freeze_model, so every
     # parameter; frozen ones later have no grad and are not clipped)
@@ -1043,17 +1120,14 @@ def train(
         indexers_only, draft_only = ph.train == "indexers", ph.train == "draft"
         tr.set_sparse(sparse)
         tr.freeze_model(ph.train)
-        for g in opt.param_groups:
-            if draft_only:
-                g["lr"] = DRAFT_LR
-            elif g["const"] or indexers_only:
-                g["lr"] = INDEXER_LR
-            else:
-                g["lr"] = g["lr_mult"] * lr_at(step, model_steps, lr)
+        set_rates(opt, ph, step, model_steps, lr)
         ids, induction, reply = data.batch(step, seq, batch, ph.mix)
         tr.rows_gen.manual_seed(seed * 1_000_003 + step)
         tr.model.train()
         pos = skip_positions(seed, step, batch, seq, skip_p) if skip_p else None
+        ul = None
+        if ph.unlikelihood:  # first: its forwards overwrite what the hooks keep for the others
+            ul, marked = tr.unloop_loss(data.unloop_prompts(step))
         ls = tr.losses(ids, induction if sparse and not indexers_only else None, pos)
         if indexers_only:  # the indexers' own losses: the model's are not trained here
             ls["index"] = tr.index_loss(induction)
@@ -1071,6 +1145,9 @@ def train(
             if indent_weight:
                 ls["indent_lm"] = tr.indent_loss(ids)
                 loss = loss + indent_weight * ls["indent_lm"]
+            if ul is not None:
+                ls["unloop"] = ul
+                loss = loss + ph.unlikelihood * ul
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model_params, 1.0)
@@ -1080,6 +1157,8 @@ def train(
             tr.balance()
         step += 1
         rec = {k: round(v.item(), 4) for k, v in ls.items()}
+        if ul is not None:
+            rec["marked"] = marked
         rec.update(
             step=step, seq=seq, sparse=sparse, gn=round(gn.item(), 3), gi=round(gi.item(), 3)
         )
