@@ -154,6 +154,19 @@ def longest_repeat(text: str) -> int:
     return best
 
 
+def longest_line_repeat(text: str) -> int:
+    """The most times a non-blank line follows itself (p4u's `        return the path.` three
+    times and more): a loop of lines, which longest_repeat's words on one line do not see. A
+    line the budget cut short counts when it is a prefix of the line before it."""
+    lines, best, run = text.split("\n"), 1, 1
+    for i in range(1, len(lines)):
+        prev, line = lines[i - 1], lines[i]
+        cut = i == len(lines) - 1 and prev.startswith(line)
+        run = run + 1 if line.strip() and (line == prev or cut) else 1
+        best = max(best, run)
+    return best
+
+
 def code_check(text: str) -> dict:
     """Do the lines read as Python, how long is the longest run of spaces past indentation, and
     does a phrase repeat back to back (`return the the the ...`: indented right, and a loop, not
@@ -167,7 +180,7 @@ def code_check(text: str) -> dict:
     inner += [x for x in body if x and not x.strip(" ")]
     longest = max((len(s) for s in inner), default=0)
     words = re.findall(r"[A-Za-z_][A-Za-z0-9_]{2,}", text)
-    repeats = longest_repeat(text)
+    repeats = max(longest_repeat(text), longest_line_repeat(text))
     return {
         "lines": len(lines),
         "python_lines": pythonic,

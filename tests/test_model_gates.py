@@ -1,6 +1,7 @@
 """`bench model-gates`' code check on written-out continuations: what a user would call Python
 after the snippet (names, keywords, indentation) passes; a run of spaces, or a word looping back
-to back (`return the the the`, p2's and p3's greedy text: indented right, not Python), fails."""
+to back (`return the the the`, p2's and p3's greedy text: indented right, not Python), or a line
+looping, fails."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ PYTHON = (
         ("        value = self.self.self.name + other", True),  # a chain is not a repeat
         ("        def list_files list_files list_files", False),
         ("        # 1 2 3", False),  # too few names to read as code
+        # p4u's greedy text: a line looping (each line alone reads as Python)
+        ("        return the path.\n" * 3 + "        return the pa", False),
+        ("        total = 0\n" * 2 + "        count = len(names)\n", True),  # twice: no loop
     ],
 )
 def test_code_check(text, ok):
