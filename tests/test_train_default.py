@@ -13,6 +13,7 @@ import torch
 
 from dist_glm5.train import trainer as td
 from dist_glm5.train import unloop
+from dist_glm5.train.chat_corpus import Words
 
 TINY = dict(
     td.TRAIN_CONFIG,
@@ -446,3 +447,18 @@ def test_unloop_loss_pushes_down_the_models_own_loop():
         logits = tr.model(input_ids=row).logits
     after = unloop.unlikelihood(logits, row, torch.tensor([marks])).item()
     assert after < before
+
+
+def test_unloop_prompts_are_one_length_and_end_where_the_model_should_write():
+    data = td.Data.__new__(td.Data)  # the corpus' text and words without loading the stdlib
+    data.seed, data.text = (
+        3,
+        b"".join(b"def f%d(x):\n    return x + %d\n\n" % (i, i) for i in range(400)),
+    )
+    data.words = Words.from_text(data.text)
+    prompts = data.unloop_prompts(5)
+    assert prompts == data.unloop_prompts(5)  # a function of seed and step
+    n_code, n_chat = td.UNLOOP_ROWS
+    assert len(prompts) == n_code + n_chat and {len(p) for p in prompts} == {unloop.PROMPT}
+    assert all(bytes(p).endswith(b"\n") for p in prompts[:n_code])
+    assert all(bytes(p).endswith(b"<|assistant|>\n") for p in prompts[n_code:])
