@@ -40,6 +40,9 @@ trained with transformers' GlmMoeDsaForCausalLM plus an MTP block built from its
   features that move under them).
 - The draft: the MTP layer learns jointly at MTP_WEIGHT, then alone in a "draft" phase on the
   frozen model (its CE and its KL to the model's next distribution), sparse as it serves.
+- Unloop (opt-in, --unloop N; unloop.py): a phase of the sequence-level unlikelihood loss on the
+  model's own greedy loops (the bytes of its continuations of code and chat prompts that repeat
+  the bytes a period back), beside the usual losses, before the indexers' and the draft's phases.
 - The dense phases run every 8th step as one row of 2,048 bytes (the same tokens): RoPE scores at
   distances never trained are unconstrained, and a run trained only at 512 lost layer 0's
   neighbours on every row past 512 once it saw 1,024 (measured on its step-1800 weights, dense or
@@ -226,10 +229,10 @@ PHASES = [
 ]
 
 
-def phases(base_extra: int = 0, unloop: int = 0) -> list[Phase]:
+def phases(base_extra: int = 0, unloop_steps: int = 0) -> list[Phase]:
     """The recipe's phases with the base phase `base_extra` steps longer (the later phases move
     with it): with both cores (--threads 2, about 1.7x the steps an hour) the 3-hour budget
-    holds more of the base mix, where the code and the chats are learned. unloop: an "unloop"
+    holds more of the base mix, where the code and the chats are learned. unloop_steps: an "unloop"
     phase of that many steps (the unlikelihood loss on the model's own greedy loops, unloop.py)
     after the long sparse phases, before the indexers' and the draft's (they fit the final
     model)."""
@@ -238,11 +241,11 @@ def phases(base_extra: int = 0, unloop: int = 0) -> list[Phase]:
         ph if ph.end < base_end else dataclasses.replace(ph, end=ph.end + base_extra)
         for ph in PHASES
     ]
-    if not unloop:
+    if not unloop_steps:
         return plan
     at = next(i for i, ph in enumerate(plan) if ph.train == "indexers")
-    ul = Phase(plan[at - 1].end + unloop, 512, 4, True, "base", unlikelihood=UNLOOP_WEIGHT)
-    later = [dataclasses.replace(ph, end=ph.end + unloop) for ph in plan[at:]]
+    ul = Phase(plan[at - 1].end + unloop_steps, 512, 4, True, "base", unlikelihood=UNLOOP_WEIGHT)
+    later = [dataclasses.replace(ph, end=ph.end + unloop_steps) for ph in plan[at:]]
     return plan[:at] + [ul] + later
 
 
