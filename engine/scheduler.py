@@ -29,12 +29,20 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from dist_glm5.engine.messages import SeqOutput, SeqWork, StepPlan
 from dist_glm5.model.block_manager import BlockManager
 from dist_glm5.sampling.params import SamplingParams
 
-KINDS_KEPT = 4096  # step kinds remembered (for profiles): bounded, not one per step forever
+STEPS_KEPT = 4096  # steps remembered (for profiles): bounded, not one per step forever
+
+
+class StepKind(NamedTuple):
+    """What a step carried, for profiles."""
+
+    kind: str  # "prefill" (any prompt chunk in it) or "decode"
+    rows: int  # sequences in it (was the batch whole)
 
 
 @dataclass
@@ -108,8 +116,7 @@ class Scheduler:
         self.release: list[int] = []  # finished: the next plan tells every stage to drop them
         self.preempted: list[int] = []  # preempted: the next plan drops their cache only
         self.sent: dict[int, list[tuple[Sequence, SeqWork]]] = {}  # step -> what went out
-        self.kinds: dict[int, str] = {}  # step -> "prefill" (any prompt chunk in it) or "decode"
-        self.rows: dict[int, int] = {}  # step -> sequences in it (profiles: was the batch whole)
+        self.steps: dict[int, StepKind] = {}  # the last STEPS_KEPT steps planned
         self.num_preemptions = 0
 
     # ---- requests ------------------------------------------------------------------------
@@ -171,11 +178,10 @@ class Scheduler:
         if not work and not self.release and not self.preempted:
             return None
         if work:
-            self.kinds[step] = "prefill" if any(s.prefilling for s, _ in work) else "decode"
-            self.rows[step] = len(work)
-            while len(self.kinds) > KINDS_KEPT:
-                del self.kinds[next(iter(self.kinds))]
-                del self.rows[next(iter(self.rows))]
+            kind = "prefill" if any(s.prefilling for s, _ in work) else "decode"
+            self.steps[step] = StepKind(kind, len(work))
+            while len(self.steps) > STEPS_KEPT:
+                del self.steps[next(iter(self.steps))]
         for s, w in work:
             s.in_flight += 1
             s.num_scheduled = w.start + len(w.tokens)

@@ -14,6 +14,7 @@ import json
 import logging
 from pathlib import Path
 
+from dist_glm5.engine.scheduler import StepKind
 from dist_glm5.obs.profiler import exclusive_times
 
 from .engine_args import add_layout_args, build_engine, engine_config, model_dir
@@ -209,12 +210,13 @@ def workload_blocks(args: argparse.Namespace) -> int:
     return args.batch * per_seq
 
 
-def whole_batch_kinds(kinds: dict[int, str], rows: dict[int, int], batch: int) -> dict[int, str]:
-    """The steps' kinds with a decode of fewer than `batch` sequences (the first to finish
-    leave early) named "decode-partial", so the decode anatomy is the batch asked for."""
+def whole_batch_kinds(steps: dict[int, StepKind], batch: int) -> dict[int, str]:
+    """The steps' kinds (the scheduler's StepKind), a decode of fewer than `batch` sequences
+    (the first to finish leave early) named "decode-partial", so the decode anatomy is the batch
+    asked for."""
     return {
-        st: "decode-partial" if k == "decode" and rows.get(st, 0) < batch else k
-        for st, k in kinds.items()
+        st: "decode-partial" if s.kind == "decode" and s.rows < batch else s.kind
+        for st, s in steps.items()
     }
 
 
@@ -237,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     events_by = engine.step_events
     # a step carries one micro-batch: the batch split over those in flight
     per_step = -(-args.batch // (args.microbatches or args.stages))
-    kinds = whole_batch_kinds(engine.scheduler.kinds, engine.scheduler.rows, per_step)
+    kinds = whole_batch_kinds(engine.scheduler.steps, per_step)
     whole = sum(k == "decode" for k in kinds.values())
     if not whole:
         raise SystemExit(

@@ -255,11 +255,11 @@ def test_engine_memory_is_flat_over_many_requests(default_model_dir):
     try:
         wave(10)
         idle()  # the release of the last ones rides the next (empty) plan
-        first, kinds = sizes(), len(c.scheduler.kinds)
+        first, kinds = sizes(), len(c.scheduler.steps)
         wave(40)
         idle()
         assert sizes() == first and first[:8] == (0,) * 8
-        assert len(c.scheduler.kinds) <= 4096 and kinds > 0
+        assert len(c.scheduler.steps) <= 4096 and kinds > 0
         assert loop.metrics_snapshot().e2e.count == 50
         gc.collect()
         assert not [r for r in refs if r() is not None]  # nothing keeps a published Sequence

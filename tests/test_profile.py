@@ -119,11 +119,13 @@ def test_timeline_plot(tmp_path):
 
 
 def test_decode_anatomy_counts_only_steps_of_the_whole_batch():
+    from dist_glm5.engine.scheduler import StepKind
     from dist_glm5.launch.profile import output_tokens, whole_batch_kinds, workload_blocks
 
-    kinds = {0: "prefill", 1: "decode", 2: "decode", 3: "decode"}
-    rows = {0: 3, 1: 3, 2: 3, 3: 2}  # the first sequence to finish leaves step 3 smaller
-    assert whole_batch_kinds(kinds, rows, 3) == {
+    # the first sequence to finish leaves step 3 smaller
+    steps = {0: StepKind("prefill", 3), 1: StepKind("decode", 3), 2: StepKind("decode", 3)}
+    steps[3] = StepKind("decode", 2)
+    assert whole_batch_kinds(steps, 3) == {
         0: "prefill",
         1: "decode",
         2: "decode",
