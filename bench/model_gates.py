@@ -169,8 +169,8 @@ def longest_line_repeat(text: str) -> int:
 
 def code_check(text: str) -> dict:
     """Do the lines read as Python, how long is the longest run of spaces past indentation, and
-    does a phrase repeat back to back (`return the the the ...`: indented right, and a loop, not
-    Python: longest_repeat)."""
+    does a phrase or a line repeat back to back (`return the the the ...`: indented right, and a
+    loop, not Python: longest_repeat, longest_line_repeat)."""
     lines = text.split("\n")
     pythonic = sum(bool(_PY_LINE.match(line)) for line in lines)
     inner = [m.group(0) for line in lines for m in re.finditer(r" {2,}", line.lstrip(" "))]

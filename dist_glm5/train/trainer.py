@@ -832,18 +832,19 @@ class Trainer:
 
     def unloop_loss(self, prompts: list[list[int]]) -> tuple[torch.Tensor, int]:
         """The sequence-level unlikelihood loss (unloop.py) on the model's greedy continuations of
-        prompts (one length), and how many bytes of them continue a loop. One batch, the rows
-        padded after their <eos> (nothing there is marked), no forced keys (the indexers select
-        alone, as they serve)."""
+        prompts, and how many bytes of them continue a loop. One batch, the rows padded after
+        their end (nothing there is marked), no forced keys (the indexers select alone, as they
+        serve)."""
         with self.generating() as m:
             conts = [unloop.greedy(m, p) for p in prompts]
         for i in self.indexers:
             self._layer(i).self_attn.indexer.force = None
-        S = len(prompts[0]) + max(len(c) for c in conts)
-        rows = [pr + c + [unloop.EOS] * (S - len(pr) - len(c)) for pr, c in zip(prompts, conts)]
+        full = [pr + c for pr, c in zip(prompts, conts)]
+        S = max(map(len, full))
+        rows = [f + [unloop.EOS] * (S - len(f)) for f in full]
         marks = [
-            unloop.loop_marks(pr + c, start=len(pr)) + [False] * (S - len(pr) - len(c))
-            for pr, c in zip(prompts, conts)
+            unloop.loop_marks(f, start=len(pr)) + [False] * (S - len(f))
+            for f, pr in zip(full, prompts)
         ]
         n = sum(map(sum, marks))
         if not n:
