@@ -130,6 +130,34 @@ def test_mla_decode_is_the_torch_form(dtype):
         torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-6)
 
 
+def test_mla_decode_bits_ignore_threads_and_batch():
+    """The selected keys go over threads in segments of a fixed size, merged in order: a row's
+    bits are the same at any thread count and alone or in a batch. k = 150 leaves a short last
+    segment; a row whose first 64 keys are all invalid has a segment with no valid key."""
+    qn, qr, w, kv, slots, valid, nope = _decode_case(torch.bfloat16, n=4, k=150, seed=3)
+    valid[2, :64] = False
+    valid[2, 100] = True
+    n_threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs.append(mla_decode.absorbed_gathered(qn, qr, w, kv, slots, valid, nope, 0.1, 0))
+            for i in range(4):
+                alone = mla_decode.absorbed_gathered(
+                    qn[i : i + 1], qr[i : i + 1], w, kv, slots[i : i + 1], valid[i : i + 1],
+                    nope, 0.1, 0,
+                )  # fmt: skip
+                assert torch.equal(alone[0], outs[0][i])
+    finally:
+        torch.set_num_threads(n_threads)
+    assert torch.equal(outs[0], outs[1])
+    want = attention.absorbed_gathered(
+        qn, qr, w, kv, slots, valid, nope, 0.1, 1 << 29, einsum=einsum_fp32_gemm
+    )
+    assert ulps(outs[0], want).max() <= 1 and (outs[0] == want).float().mean() > 0.99
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_experts_are_the_loops_roundings(threads):
     """Every bf16 rounding where the Python loop's torch ops round: equal to it but for the
