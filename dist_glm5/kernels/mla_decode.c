@@ -245,13 +245,13 @@ CLONES int mla_decode(const void *q_nope, int64_t qn_i, int64_t qn_j, const void
                       float scale, int is_bf16, void *out, int nthreads) {
     const int H8 = (h + 7) & ~7, cr = c + r, nseg = (k + SEG - 1) / SEG;
     const int64_t qsize = (int64_t)cr * H8;                 /* a row's qT */
-    const int64_t psize = 2 * H8 + (int64_t)h * c + 8;      /* a segment's part (+8: alignment) */
+    const int64_t psize = 2 * H8 + (int64_t)h * c + 8;      /* a segment's part */
     const int64_t per = (int64_t)SEG * cr + (int64_t)SEG * H8 + c + 8; /* a thread's scratch */
     const int items = n * (h > nseg ? h : nseg);
     const int nt = nthreads > 1 && items > 1 ? nthreads : 1;
-    float *qT = aligned_alloc(32, sizeof(float) * ((size_t)n * qsize + 8));
-    float *parts = aligned_alloc(32, sizeof(float) * ((size_t)n * nseg * psize + 8));
-    float *scratch = aligned_alloc(32, sizeof(float) * ((size_t)per * nt + 8));
+    float *qT = malloc(sizeof(float) * ((size_t)n * qsize + 8));
+    float *parts = malloc(sizeof(float) * ((size_t)n * nseg * psize + 8));
+    float *scratch = malloc(sizeof(float) * ((size_t)per * nt + 8));
     if (!qT || !parts || !scratch) {
         free(qT), free(parts), free(scratch);
         return -1;
