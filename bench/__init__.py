@@ -18,6 +18,7 @@ def register(p: argparse.ArgumentParser) -> None:
         link_faults,
         long_job,
         longctx,
+        mla_decode,
         model_gates,
         netns,
         peers,
@@ -56,6 +57,9 @@ def register(p: argparse.ArgumentParser) -> None:
     )
     linear.register(
         sub.add_parser("linear", help="few-row bf16 products: C kernel vs torch bf16 vs fp32 GEMM")
+    )
+    mla_decode.register(
+        sub.add_parser("mla-decode", help="a layer's sparse MLA decode: C kernel vs its torch form")
     )
     longctx.register(
         sub.add_parser(

@@ -282,3 +282,20 @@ def test_router_kernel_breaks_ties_to_the_lower_expert():
     W = torch.zeros(8, 16)  # every score sigmoid(0) = 0.5
     w, ids = router.route(torch.ones(1, 16), W, torch.zeros(8), 3, 1, 1, True, 1.0)
     assert ids.tolist() == [[0, 1, 2]] and torch.allclose(w, torch.full((1, 3), 1 / 3))
+
+
+def test_bench_mla_decode_measures_the_kernel_beside_its_torch_form(tmp_path):
+    """`bench mla-decode` times both forms of the same rows and records how far apart they are."""
+    import argparse
+    import json
+
+    from bench import mla_decode as bench
+
+    out = tmp_path / "mla.json"
+    args = argparse.Namespace(threads=[1], rows=[2], shapes=["small"], repeats=1, output=str(out))
+    assert bench.main(args) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["kernel_us"] > 0 and row["torch_us"] > 0 and row["ratio"] > 0
+    h, nope, v, c, r, k = bench.SHAPES["small"]
+    assert bench.macs(bench.SHAPES["small"], 2) == 2 * h * (nope * c + k * (c + r) + k * c + c * v)
+    assert row["max_abs_diff"] < 0.05  # bf16 outputs of order 1: a few ulps at most
