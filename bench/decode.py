@@ -129,30 +129,29 @@ def small_models(w4a8: bool = False) -> dict:
     return models
 
 
+def measure_prefill(model, prompt: list[int], repeats: int) -> float:
+    """Best seconds from a prompt to its first sampled token (one sequence, an empty cache, the
+    whole prompt in one forward: the prefill row of llama-bench -p N), after one warm-up (kernel
+    build, allocator)."""
+    from dist_glm5.model.reference_loop import generate
+    from dist_glm5.sampling.params import SamplingParams
+
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    with torch.no_grad():
+        generate(model, [prompt], one)
+        return best(lambda: generate(model, [prompt], one), repeats)
+
+
 def measure_ours(model, prompt: list[int], new_tokens: int, repeats: int) -> dict:
     from dist_glm5.model.reference_loop import generate
     from dist_glm5.sampling.params import SamplingParams
 
-    one = SamplingParams(max_tokens=1, ignore_eos=True)
     full = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    t_pre = measure_prefill(model, prompt, repeats)
     with torch.no_grad():
-        generate(model, [prompt], one)  # warm-up (kernel build, allocator)
-        t_pre = best(lambda: generate(model, [prompt], one), repeats)
         t_all = best(lambda: generate(model, [prompt], full), repeats)
     step = (t_all - t_pre) / (new_tokens - 1)
     return {"prefill_s": t_pre, "decode_ms": 1e3 * step, "decode_tok_s": 1 / step}
-
-
-def measure_prefill(model, prompt: list[int], repeats: int) -> float:
-    """Best seconds from a prompt to its first sampled token (one sequence, an empty cache, the
-    whole prompt in one forward: the prefill row of llama-bench -p N)."""
-    from dist_glm5.model.reference_loop import generate
-    from dist_glm5.sampling.params import SamplingParams
-
-    one = SamplingParams(max_tokens=1, ignore_eos=True)
-    with torch.no_grad():
-        generate(model, [prompt], one)  # warm-up
-        return best(lambda: generate(model, [prompt], one), repeats)
 
 
 def measure_ours_steps(model, prompts: list[list[int]], steps: int, repeats: int) -> dict:

@@ -9,17 +9,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import logging
-import time
 from pathlib import Path
 
 import torch
 
+from dist_glm5.bench.generate_vs_hf import best
 from dist_glm5.kernels import mla_decode
 from dist_glm5.ops.attention import absorbed_gathered
 from dist_glm5.ops.linear import einsum_fp32_gemm
-
-log = logging.getLogger(__name__)
 
 # name: (heads, nope, v, kv_lora c, rope r, index_topk k) of one layer (one rank's heads)
 SHAPES = {
@@ -57,12 +54,7 @@ def macs(shape: tuple[int, ...], n: int) -> int:
 
 def _best(fn, repeats: int) -> float:
     fn()  # warm
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return best(fn, repeats)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -406,7 +406,7 @@ def _ours(models: dict, threads: int, args) -> dict:
         o = {"decode_tok_s": r["decode_tok_s"], "prefill_tok_s": PROMPT / r["prefill_s"]}
         o["prefill"] = {  # longer prompts, one sequence from an empty cache
             n: n / measure_prefill(m, prompts(1, n)[0], args.repeats)
-            for n in getattr(args, "prefills", [PROMPT])
+            for n in args.prefills
             if n != PROMPT
         }
         o["depth"] = {  # decode after a deeper context, one sequence
