@@ -89,6 +89,14 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
         help="sparse prefill attention: each query over its own top-k rows (CPU default, "
         "measured fastest here) or union windows / dense below 32K (the Gaudi rule, its default)",
     )
+    p.add_argument(
+        "--index-keys",
+        choices=["exact", "int8"],
+        default="exact",
+        help="the DSA indexer's keys in the cache: exact (the cache's dtype, default) or int8 with "
+        "a scale per key (half the bytes, int8 products; selections may differ from exact ones at "
+        "near-ties; sparse DSA on CPU only)",
+    )
 
 
 def model_dir(args: argparse.Namespace) -> Path:
@@ -103,11 +111,13 @@ def model_dir(args: argparse.Namespace) -> Path:
 def dsa_config(args: argparse.Namespace) -> DSAConfig:
     """--dsa: "sparse" (the default in every command) or "dense" (the reference);
     --dsa-prefill: the sparse prefill form, by default the backend's (rows on CPU, windows on
-    Gaudi); on Gaudi the windows' unions have static sizes (DSAConfig.static_union)."""
+    Gaudi); on Gaudi the windows' unions have static sizes (DSAConfig.static_union);
+    --index-keys: DSAConfig.index_keys."""
     hpu = getattr(args, "backend", "cpu") == "hpu"
     prefill = getattr(args, "dsa_prefill", None) or ("windows" if hpu else "rows")
     mode = "reference" if getattr(args, "dsa", "sparse") == "dense" else "sparse"
-    return DSAConfig(mode=mode, prefill_attention=prefill, static_union=hpu)
+    keys = getattr(args, "index_keys", "exact")
+    return DSAConfig(mode=mode, prefill_attention=prefill, static_union=hpu, index_keys=keys)
 
 
 def engine_config(

@@ -2,7 +2,8 @@
 arguments prepared once) against the layers' modules, its reference: the same logits bit for bit
 and the same cache rows, over decode steps of several sequences of different lengths (selection
 on: contexts past index_topk), MTP-verify chunks of 2 rows, bf16 and MXFP4 experts, and a second
-pipeline stage whose first layer is 'shared' (the selection comes from the stage before); and
+pipeline stage whose first layer is 'shared' (the selection comes from the stage before), int8
+index keys; and
 every step it must decline (the modules then run it)."""
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def mxfp4_dir(tmp_path_factory):
     return dst
 
 
-def _model(path, **stage):
-    m = load_model(path, torch.bfloat16, ops=get_backend("cpu").ops(), dsa=SPARSE, **stage)
+def _model(path, dsa=SPARSE, **stage):
+    m = load_model(path, torch.bfloat16, ops=get_backend("cpu").ops(), dsa=dsa, **stage)
     assert m.ops.decode_plan is cpu_plan.plan
     return m
 
@@ -125,6 +126,16 @@ def test_planned_steps_give_the_modules_bits(fmt, rows, mxfp4_dir):
     m = _model(path)
     taken = _same(_decode([m], False, rows), _decode([m], True, rows))
     assert taken == [5]  # every decode step planned (the prefills declined)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_int8_index_keys_planned_give_the_modules_bits(rows):
+    """DSAConfig.index_keys="int8": the plan's selection quantises the queries as the modules'
+    does, so the logits and both caches (the int8 key rows too) are the same bits."""
+    m = _model(ensure_default_model(), DSAConfig(mode="sparse", index_keys="int8"))
+    (la, sa, _), b = _decode([m], False, rows), _decode([m], True, rows)
+    assert all(s.dtype == torch.uint8 for s in sa[0][1].values())
+    assert _same((la, sa, None), b) == [5]
 
 
 @pytest.mark.parametrize("rows", [1, 2])

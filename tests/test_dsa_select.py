@@ -4,7 +4,8 @@ scattered through the store, a partial last block, rows with fewer causal keys t
 and fp32 stores, head counts off the kernel's tile of 4, decode-sized and prefill-sized row
 counts, the row blocks `dsa.select_fused` splits a chunk into, and integer-valued data where
 scores tie exactly (sums of small integers times a power of two are exact in any order, so the
-tie rule itself is compared)."""
+tie rule itself is compared). Int8 keys (quant/index_q8.py) on both of the kernel's paths (AVX-512
+VNNI where the CPU has it, and the portable one) against the torch form of their scores."""
 
 from __future__ import annotations
 
@@ -15,12 +16,28 @@ from dist_glm5.kernels import dsa_select as K
 from dist_glm5.model import dsa
 from dist_glm5.model.kv_cache import KeySlots
 from dist_glm5.ops.topk import select_topk_sorted
+from dist_glm5.quant import index_q8
 
 
 def torch_path(q, w, store, keys, q_pos, topk, D):
     s = dsa.index_scores_capped(q, w, store, keys, D, 512 << 20)
     keep = select_topk_sorted(s, q_pos, topk)
     return (keep, *dsa.selected_slots(keep, keys, topk))
+
+
+def _store(x: torch.Tensor, dtype) -> torch.Tensor:
+    """Key rows x as a store of `dtype`, or "int8" (quant/index_q8.py rows)."""
+    return index_q8.pack(x.float()) if dtype == "int8" else x.to(dtype)
+
+
+@pytest.fixture(params=["vnni", "portable"])
+def q8_path(request):
+    """Int8 keys through one of the kernel's two paths."""
+    if request.param == "vnni" and not K.uses_vnni(64):
+        pytest.skip("this CPU has no AVX-512 VNNI: the portable path is the one it runs")
+    K.force_portable(request.param == "portable")
+    yield request.param
+    K.force_portable(False)
 
 
 def case(L, dtype, integers, n=3, H=8, seed=0):
@@ -30,11 +47,11 @@ def case(L, dtype, integers, n=3, H=8, seed=0):
     nblk = -(-L // bs)
     store_blocks = nblk + 7
     if integers:  # many exact ties
-        store = torch.randint(-2, 3, (store_blocks * bs, D), generator=g).to(dtype)
+        store = _store(torch.randint(-2, 3, (store_blocks * bs, D), generator=g), dtype)
         q = torch.randint(-1, 2, (n, H, D), generator=g).bfloat16()
         w = torch.randint(0, 3, (n, H), generator=g).float()
     else:
-        store = torch.randn(store_blocks * bs, D, generator=g).to(dtype)
+        store = _store(torch.randn(store_blocks * bs, D, generator=g), dtype)
         q = torch.randn(n, H, D, generator=g).bfloat16()
         w = torch.randn(n, H, generator=g)
     keys = KeySlots(torch.randperm(store_blocks, generator=g)[:nblk], bs, L)
@@ -57,6 +74,16 @@ def test_fused_selection_equals_the_torch_path(L, dtype, integers):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("L", [1, 50, 64, 1000, 5000])
+@pytest.mark.parametrize("integers", [False, True])
+def test_int8_keys_select_as_the_torch_form(L, integers, q8_path):
+    q, w, store, keys, q_pos, D = case(L, "int8", integers)
+    want = torch_path(q, w, store, keys, q_pos, 64, D)
+    got = K.select_rows(q, w, store, keys, q_pos, 64, D)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("n,H", [(40, 8), (70, 6), (33, 17)])
 @pytest.mark.parametrize("integers", [False, True])
 def test_prefill_rows_and_odd_head_counts_equal_the_torch_path(n, H, integers):
@@ -68,7 +95,33 @@ def test_prefill_rows_and_odd_head_counts_equal_the_torch_path(n, H, integers):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,H", [(40, 8), (33, 17), (2, 3)])
+def test_int8_keys_prefill_rows_and_odd_head_counts(n, H, q8_path):
+    # the VNNI path takes heads 8 at a time: 17 and 3 leave a partial group
+    q, w, store, keys, q_pos, D = case(3000, "int8", False, n=n, H=H, seed=n)
+    want = torch_path(q, w, store, keys, q_pos, 64, D)
+    got = K.select_rows(q, w, store, keys, q_pos, 64, D)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_int8_keys_of_other_widths(q8_path):
+    """index_head_dim 128 (GLM-5's) and 132 (past one 64-byte row), and 30 (not a multiple of 4:
+    the portable path on every CPU)."""
+    for D in (128, 132, 30):
+        g = torch.Generator().manual_seed(D)
+        L, bs = 700, 64
+        keys = KeySlots(torch.randperm(12, generator=g)[:11], bs, L)
+        store = index_q8.pack(torch.randn(12 * bs, D, generator=g))
+        q, w = torch.randn(2, 5, D, generator=g), torch.rand(2, 5, generator=g)
+        q_pos = torch.tensor([L - 1, 300])
+        want = torch_path(q, w, store, keys, q_pos, 64, D)
+        got = K.select_rows(q, w, store, keys, q_pos, 64, D)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), D
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, "int8"])
 @pytest.mark.parametrize("integers", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_select_many_equals_the_torch_path_per_sequence(dtype, integers, threads):
@@ -82,10 +135,11 @@ def test_select_many_equals_the_torch_path_per_sequence(dtype, integers, threads
     g = torch.Generator().manual_seed(7)
     blocks = [-(-L // bs) for L in lengths]
     order = torch.randperm(sum(blocks) + 9, generator=g)
-    store = (
-        torch.randint(-2, 3, (len(order) * bs, D), generator=g).to(dtype)
+    store = _store(
+        torch.randint(-2, 3, (len(order) * bs, D), generator=g)
         if integers
-        else torch.randn(len(order) * bs, D, generator=g).to(dtype)
+        else torch.randn(len(order) * bs, D, generator=g),
+        dtype,
     )
     keys, at = [], 0
     for L, nb in zip(lengths, blocks):

@@ -110,7 +110,7 @@ class _Layer:
         self.heads, self.nope, self.rope, self.v = w.heads, att.nope, att.rope, att.v_dim
         self.c, self.scale, self.topk = att.kv_lora, float(att.scale), att.topk
         self.indexed = att.indexer is not None
-        self.i_scale = att.indexer.head_dim**-0.5 if self.indexed else 0.0
+        self.i_dim = att.indexer.head_dim if self.indexed else 0
         self.kv_b = att.kv_b_proj.weight
         self.o = _Linear(att.o_proj)
         # the MLP: a dense one, or the router + routed experts + shared expert
@@ -259,7 +259,7 @@ class DecodePlan:
         for lin in (model.lm_head, mtp.shared_head.head if mtp is not None else None):
             if lin is not None and lin.bias is None and _bf16(lin.weight):
                 self.heads[id(lin)] = (_Linear(lin), _hook_dicts(lin))
-        self.gemv, self.sel, self.dec, self.norm, self.route = k.gemv, k.sel, k.dec, k.norm, k.route
+        self.gemv, self.dec, self.norm, self.route = k.gemv, k.dec, k.norm, k.route
         self.mx, self.w4 = k.mx, k.w4  # w4: the w4a8 experts kernel when chosen, else None
 
     def head(self, lin, h: torch.Tensor) -> torch.Tensor | None:
@@ -363,18 +363,7 @@ class DecodePlan:
         q, q_rot, iq, iw = mla_project.run(L.proj, h, cos, sin, slots, kv, idx, nt)
         if L.indexed:
             qr, wr = (iq, iw) if ident else (iq[rk.tok], iw[rk.tok])
-            qf = qr.float().contiguous()
-            wf = (wr * L.i_scale).contiguous()
-            sl = torch.empty(T, L.topk, dtype=torch.int64)
-            ok = torch.empty(T, L.topk, dtype=torch.bool)
-            rc = self.sel.dsa_select_many(
-                qf.data_ptr(), wf.data_ptr(), len(rk.lengths), rk.row_off.data_ptr(),
-                qf.shape[1], qf.shape[2], idx.data_ptr(), int(idx.dtype == BF16),
-                rk.tables.data_ptr(), rk.tab_off.data_ptr(), rk.block_size, rk.lengths.data_ptr(),
-                rk.q_pos.data_ptr(), L.topk, sl.data_ptr(), ok.data_ptr(), nt,
-            )  # fmt: skip
-            if rc != 0:
-                raise RuntimeError(f"dsa_select_many failed ({rc})")
+            sl, ok = dsa_select.select_many(qr, wr, idx, rk, L.topk, L.i_dim)
             chosen = Selected(None, sl, ok)
         sl, ok = chosen.slots, chosen.valid
         if not ident:

@@ -64,7 +64,15 @@ class CpuStage:
 
     def new_cache(self, cfg, layers: list[int], dtype: torch.dtype) -> PagedKVCache:
         # not allocated: the tables come with the plans
-        return PagedKVCache(cfg, layers, self.blocks, self.block_size, dtype=dtype, allocate=False)
+        return PagedKVCache(
+            cfg,
+            layers,
+            self.blocks,
+            self.block_size,
+            dtype=dtype,
+            allocate=False,
+            index_keys=self.model.dsa.index_keys,
+        )
 
     def prepare(self, cache: PagedKVCache, chunks: list[Chunk]) -> ForwardBatch:
         return cache.prepare(chunks)

@@ -23,6 +23,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <immintrin.h>
+#include <math.h>
+
 #include "common.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -31,6 +34,16 @@
 
 
 /* v8 (common.h): the tile's accumulators stay in registers */
+
+/* The store's kinds: fp32 or bf16 rows of D values, or int8 rows (quant/index_q8.py: D int8
+ * values, then the key's fp32 scale). With int8 keys the queries come quantised the same way: q
+ * holds their int8 values as floats and qs [n, H] their scales, and a key's score is
+ * sum_h w[h] * relu((idot[h] * qs[h]) * ks) with idot the exact integer dot (exact in fp32 too:
+ * |idot| <= 256 * 127^2 < 2^24). */
+enum { KEYS_F32, KEYS_BF16, KEYS_Q8 };
+static inline int64_t key_bytes(int kind, int D) {
+    return kind == KEYS_Q8 ? (int64_t)D + 4 : (int64_t)D * (kind == KEYS_BF16 ? 2 : 4);
+}
 
 /* Per-thread scratch kept between calls: a decode step selects once per full layer over about
  * the same keys, and a fresh malloc of buffers over L keys is, past glibc's 128 KiB threshold,
@@ -89,14 +102,38 @@ typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
             for (int v = 0; v < NV; v++) sum[v] += splat(wr[h + i]) * relu(acc[i][v]);           \
     } while (0)
 
+/* HEADS for int8 keys: the dots (exact integers in fp32) times the query's and the key's scales
+ * (ks: the 64 keys' scales), then relu and the head weights as HEADS. */
+#define HEADS_Q8(NH, NV)                                                                         \
+    do {                                                                                         \
+        v8 acc[NH][NV];                                                                          \
+        for (int i = 0; i < NH; i++)                                                             \
+            for (int v = 0; v < NV; v++) acc[i][v] = zero;                                       \
+        for (int d = 0; d < D; d++) {                                                            \
+            v8 kv[NV];                                                                           \
+            for (int v = 0; v < NV; v++)                                                         \
+                kv[v] = *(const volatile v8 *)(kbT + d * 64 + jt + 8 * v);                       \
+            for (int i = 0; i < NH; i++) {                                                       \
+                const v8 x = splat(qr[(int64_t)(h + i) * D + d]);                               \
+                for (int v = 0; v < NV; v++) acc[i][v] += x * kv[v];                             \
+            }                                                                                    \
+        }                                                                                        \
+        for (int i = 0; i < NH; i++)                                                             \
+            for (int v = 0; v < NV; v++) {                                                       \
+                const v8 f = acc[i][v] * splat(qsr[h + i]) * *(const v8 *)(ks + jt + 8 * v);    \
+                sum[v] += splat(wr[h + i]) * relu(f);                                            \
+            }                                                                                    \
+    } while (0)
+
 /* Scores of rows 0..n-1 against 64 keys (kbT: D x 64, transposed so the fast axis is the key).
  * Register tiles of 2 heads x 32 keys: 8 accumulators, and per d 4 key loads and 2 broadcasts
  * feed 8 FMAs (the old one-head loop kept its 64 partial dots in memory: 21 GFLOP/s, one thread,
  * against about the mm rate for this tile). Keys past the block's end are zero rows; only the
  * first m scores are stored, and (mx not NULL) their maximum, at mx[r * ldm]. The d-sum runs in
  * order, d = 0..D-1, for every key and head. */
-CLONES static void score_block(const float *q, const float *w, int n, int H, int D, const float *kbT,
-                               int m, float *out, int64_t ld, float *mx, int64_t ldm) {
+CLONES static void score_block(const float *q, const float *w, const float *qs, int n, int H,
+                               int D, const float *kbT, const float *ks, int m, float *out,
+                               int64_t ld, float *mx, int64_t ldm) {
     const v8 zero = splat(0.0f);
     for (int r = 0; r < n; r++) {
         const float *qr = q + (int64_t)r * H * D, *wr = w + (int64_t)r * H;
@@ -104,8 +141,14 @@ CLONES static void score_block(const float *q, const float *w, int n, int H, int
         for (int jt = 0; jt < 64; jt += 32) {
             v8 sum[4] = {zero, zero, zero, zero};
             int h = 0;
-            for (; h + 2 <= H; h += 2) HEADS(2, 4);
-            if (h < H) HEADS(1, 4); /* an odd head count's last head */
+            if (ks) { /* int8 keys (qs, ks: the scales) */
+                const float *qsr = qs + (int64_t)r * H;
+                for (; h + 2 <= H; h += 2) HEADS_Q8(2, 4);
+                if (h < H) HEADS_Q8(1, 4);
+            } else {
+                for (; h + 2 <= H; h += 2) HEADS(2, 4);
+                if (h < H) HEADS(1, 4); /* an odd head count's last head */
+            }
             for (int v = 0; v < 4; v++) *(v8 *)(row + jt + 8 * v) = sum[v];
         }
         memcpy(out + (int64_t)r * ld, row, sizeof(float) * m);
@@ -124,7 +167,16 @@ static const int ORDER[4] = {0, 2, 1, 3}; /* the dims (and + 4) the transpose's 
  * in registers (three rounds of two-input shuffles) and 8 vector stores, where the scalar loop
  * stored one float at a time: at one decode row it took longer than scoring the block (1.47 ms
  * per layer at 32K keys here, more than the scores' FMAs). Same values, so the same bits. */
-CLONES static void load_keys(const void *store, int bf16, int64_t row0, int m, int D, float *kbT) {
+/* (int8 keys: their values widened, exact, and their scales into ks[0..m).) */
+CLONES static void load_keys(const void *store, int kind, int64_t row0, int m, int D, float *kbT,
+                             float *ks) {
+    const int64_t qrow = (int64_t)D + 4; /* an int8 row's bytes */
+    if (kind == KEYS_Q8)
+        for (int j = 0; j < 64; j++) {
+            float sc = 0.0f;
+            if (j < m) memcpy(&sc, (const uint8_t *)store + (row0 + j) * qrow + D, sizeof(float));
+            ks[j] = sc;
+        }
     if (m < 64)
         for (int d = 0; d < D; d++) memset(kbT + d * 64 + m, 0, sizeof(float) * (64 - m));
     int j = 0;
@@ -133,8 +185,13 @@ CLONES static void load_keys(const void *store, int bf16, int64_t row0, int m, i
             for (int d = 0; d < D; d += 8) {
                 v8 r[8];
                 for (int i = 0; i < 8; i++) {
-                    if (bf16) {
+                    if (kind == KEYS_BF16) {
                         r[i] = widen((const uint16_t *)store + (row0 + j + i) * D + d);
+                    } else if (kind == KEYS_Q8) {
+                        typedef int8_t v8c __attribute__((vector_size(8), aligned(1)));
+                        v8c c;
+                        memcpy(&c, (const int8_t *)store + (row0 + j + i) * qrow + d, sizeof(c));
+                        r[i] = __builtin_convertvector(c, v8);
                     } else {
                         memcpy(&r[i], (const float *)store + (row0 + j + i) * D + d, sizeof(v8));
                     }
@@ -158,14 +215,117 @@ CLONES static void load_keys(const void *store, int bf16, int64_t row0, int m, i
                 }
             }
     for (; j < m; j++) {
-        if (bf16) {
+        if (kind == KEYS_BF16) {
             const uint16_t *kr = (const uint16_t *)store + (row0 + j) * D;
             for (int d = 0; d < D; d++) kbT[d * 64 + j] = bf16_to_f32(kr[d]);
+        } else if (kind == KEYS_Q8) {
+            const int8_t *kr = (const int8_t *)store + (row0 + j) * qrow;
+            for (int d = 0; d < D; d++) kbT[d * 64 + j] = (float)kr[d];
         } else {
             const float *kr = (const float *)store + (row0 + j) * D;
             for (int d = 0; d < D; d++) kbT[d * 64 + j] = kr[d];
         }
     }
+}
+
+/* ---- int8 keys on AVX-512 VNNI: vpdpbusd does 64 byte products an instruction (u8 x s8 into
+ * int32 lanes, four bytes a lane). Lanes are keys: 16 keys' rows are transposed in registers so
+ * that vector g holds dims 4g..4g+3 of each, and each (row, head) broadcasts its query's 4
+ * bytes. The keys go in as u8 (k + 128) and 128 * sum(q) comes off each dot, so the integer dots
+ * and then every fp32 operation are the portable path's, in its order: the same scores. */
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+
+/* t[i] (i < 16): lane j = dword g + i of key j's row (keys past nk and dwords past nd zero) */
+VNNI static void transpose16(const uint8_t *rows, int64_t stride, int nk, int g, int nd,
+                             __m512i *t) {
+    const __mmask16 lm = (__mmask16)((1u << nd) - 1);
+    __m512i r[16], a[16], b[16];
+    for (int j = 0; j < 16; j++)
+        r[j] = j < nk ? _mm512_maskz_loadu_epi32(lm, rows + j * stride + 4 * g)
+                      : _mm512_setzero_si512();
+    for (int i = 0; i < 16; i += 2) { /* within each 128-bit lane: pairs of keys by dword */
+        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* b[i + c], lane L: dword 4L + c of keys i..i+3 */
+        b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+        b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+        b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+        b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) { /* a 4 x 4 transpose of 128-bit lanes */
+        const __m512i s0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44);
+        const __m512i s1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
+        const __m512i s2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44);
+        const __m512i s3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
+        t[c] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+        t[4 + c] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+        t[8 + c] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+    }
+}
+
+/* score_block for int8 keys: rows 0..n-1 (q4: each (row, head)'s query as D / 4 dwords of int8,
+ * qcorr: 128 * the sum of its bytes) against the m <= 64 keys from `rows` on (stride D + 4). */
+VNNI static void score_block_vnni(const int32_t *q4, const int32_t *qcorr, const float *qs,
+                                  const float *w, int n, int H, int D, const uint8_t *rows, int m,
+                                  float *out, int64_t ld, float *mx, int64_t ldm) {
+    const int64_t stride = (int64_t)D + 4;
+    const int G = D / 4;
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    const __m512 zero = _mm512_setzero_ps();
+    __m512i kt[64]; /* D <= 256 */
+    float row[64] __attribute__((aligned(64)));
+    if (mx)
+        for (int r = 0; r < n; r++) mx[(int64_t)r * ldm] = -INFINITY;
+    for (int j0 = 0; j0 < m; j0 += 16) {
+        const int nk = m - j0 < 16 ? m - j0 : 16;
+        const uint8_t *kr = rows + j0 * stride;
+        for (int g = 0; g < G; g += 16) transpose16(kr, stride, nk, g, G - g < 16 ? G - g : 16, kt + g);
+        for (int g = 0; g < G; g++) kt[g] = _mm512_xor_si512(kt[g], bias);
+        float ksf[16];
+        for (int j = 0; j < 16; j++) {
+            ksf[j] = 0.0f;
+            if (j < nk) memcpy(&ksf[j], kr + j * stride + D, sizeof(float));
+        }
+        const __m512 ks = _mm512_loadu_ps(ksf);
+        for (int r = 0; r < n; r++) {
+            __m512 sum = zero;
+            int h = 0;
+            for (; h < H; h += 8) { /* 8 heads: 8 dependency chains keep both VNNI pipes fed */
+                const int nh = H - h < 8 ? H - h : 8;
+                __m512i acc[8];
+                for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_si512();
+                const int32_t *qh = q4 + ((int64_t)r * H + h) * G;
+                for (int g = 0; g < G; g++)
+                    for (int i = 0; i < nh; i++)
+                        acc[i] = _mm512_dpbusd_epi32(acc[i], kt[g], _mm512_set1_epi32(qh[i * G + g]));
+                for (int i = 0; i < nh; i++) {
+                    const int64_t rh = (int64_t)r * H + h + i;
+                    const __m512i dot = _mm512_sub_epi32(acc[i], _mm512_set1_epi32(qcorr[rh]));
+                    __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qs[rh]));
+                    f = _mm512_max_ps(_mm512_mul_ps(f, ks), zero); /* relu: +0 for f <= 0 */
+                    sum = _mm512_fmadd_ps(_mm512_set1_ps(w[rh]), f, sum);
+                }
+            }
+            _mm512_store_ps(row, sum);
+            memcpy(out + (int64_t)r * ld + j0, row, sizeof(float) * nk);
+            if (mx) {
+                float v = mx[(int64_t)r * ldm];
+                for (int j = 0; j < nk; j++) v = row[j] > v ? row[j] : v;
+                mx[(int64_t)r * ldm] = v;
+            }
+        }
+    }
+}
+
+/* The VNNI path runs where the CPU has it, D is a multiple of 4, and no test forces the
+ * portable one (dsa_select_q8_portable). */
+static int q8_portable = 0;
+void dsa_select_q8_portable(int on) { q8_portable = on; }
+int dsa_select_q8_vnni(int D) {
+    return !q8_portable && D % 4 == 0 && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
 
 /* How many keys the 64-key chunk starting at key j0 of cache block b holds: up to 64, the
@@ -182,15 +342,33 @@ static inline int chunk_keys(int64_t j0, int64_t b, int bs, int64_t L) {
  * second thread for it costs more than it saves). */
 /* bmax (NULL, or [n, ceil(L / 64)] when bs is a multiple of 64): each 64-key block's maximum. */
 #define SCAN_PAR_MIN 16384
-static void scan(const float *q, const float *w, int n, int H, int D, const void *store,
-                 int bf16, const int64_t *table, int bs, int64_t L, float *scores, float *bmax,
-                 int nthreads) {
+static int scan(const float *q, const float *w, const float *qs, int n, int H, int D,
+                const void *store, int kind, const int64_t *table, int bs, int64_t L,
+                float *scores, float *bmax, int nthreads) {
     const int64_t ldm = (L + 63) / 64;
-    const int64_t key_bytes = (int64_t)D * (bf16 ? 2 : 4);
+    const int64_t kb = key_bytes(kind, D);
     int64_t nblk = (L + bs - 1) / bs;
+    /* int8 keys on VNNI: the queries' bytes as dwords, and 128 x their sums (the u8 bias) */
+    const int vnni = kind == KEYS_Q8 && dsa_select_q8_vnni(D);
+    int8_t *q8 = NULL;
+    int32_t *qcorr = NULL;
+    if (vnni) {
+        q8 = malloc((size_t)n * H * D + 1);
+        qcorr = malloc(sizeof(int32_t) * ((size_t)n * H + 1));
+        if (!q8 || !qcorr) {
+            free(q8), free(qcorr);
+            return -2;
+        }
+        for (int64_t rh = 0; rh < (int64_t)n * H; rh++) {
+            int32_t sum = 0;
+            for (int d = 0; d < D; d++) sum += q8[rh * D + d] = (int8_t)q[rh * D + d];
+            qcorr[rh] = 128 * sum;
+        }
+    }
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && (int64_t)n * L >= SCAN_PAR_MIN)
     {
         float kbT[64 * 256] __attribute__((aligned(32))); /* D <= 256, 64 keys at a time */
+        float ks[64] __attribute__((aligned(32)));        /* int8 keys: their scales */
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nblk; b++) {
             for (int64_t j0 = b * bs; j0 < (b + 1) * bs && j0 < L; j0 += 64) {
@@ -202,16 +380,25 @@ static void scan(const float *q, const float *w, int n, int H, int D, const void
                 const int64_t jn = j0 + 64 < (b + 1) * bs ? j0 + 64 : (b + 1) * bs;
                 if (jn < L) {
                     const int64_t bn = jn / bs;
-                    const char *p0 = (const char *)store + (table[bn] * bs + jn - bn * bs) * key_bytes;
-                    const int64_t bytes = chunk_keys(jn, bn, bs, L) * key_bytes;
+                    const char *p0 = (const char *)store + (table[bn] * bs + jn - bn * bs) * kb;
+                    const int64_t bytes = chunk_keys(jn, bn, bs, L) * kb;
                     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p0 + o, 0, 3);
                 }
-                load_keys(store, bf16, row0, m, D, kbT);
-                score_block(q, w, n, H, D, kbT, m, scores + j0, L, bmax ? bmax + j0 / 64 : NULL,
-                            ldm);
+                float *mx = bmax ? bmax + j0 / 64 : NULL;
+                if (vnni) {
+                    score_block_vnni((const int32_t *)q8, qcorr, qs, w, n, H, D,
+                                     (const uint8_t *)store + row0 * kb, m, scores + j0, L, mx,
+                                     ldm);
+                    continue;
+                }
+                load_keys(store, kind, row0, m, D, kbT, ks);
+                score_block(q, w, qs, n, H, D, kbT, kind == KEYS_Q8 ? ks : NULL, m, scores + j0,
+                            L, mx, ldm);
             }
         }
     }
+    free(q8), free(qcorr);
+    return 0;
 }
 
 /* The k-th largest of a[0..m) (0 < k <= m), a is scrambled. */
@@ -298,7 +485,8 @@ static int64_t select_row(const float *s, int64_t m, int64_t k, const float *bma
 /* Returns 0, or -1 if D > 256. out_pos [n, k] (ascending; the unused tail repeats the first
  * pick), out_cnt [n]; out_slots [n, k] the picks' cache slots (through the block table, the tail
  * likewise) and out_valid [n, k] (1 for the real picks), each when not NULL. */
-int dsa_select(const float *q, const float *w, int n, int H, int D, const void *store, int bf16,
+int dsa_select(const float *q, const float *w, const float *qs, int n, int H, int D,
+               const void *store, int kind,
                const int64_t *table, int bs, int64_t L, const int64_t *q_pos, int k,
                float *scores, int64_t *out_pos, int32_t *out_cnt, int64_t *out_slots,
                uint8_t *out_valid, int nthreads) {
@@ -308,7 +496,10 @@ int dsa_select(const float *q, const float *w, int n, int H, int D, const void *
     float *bmax = bs % 64 == 0 ? (float *)scratch(SCR_BMAX, sizeof(float) * (size_t)(n * ldm + 1))
                                : NULL;
     if (bs % 64 == 0 && !bmax) return -2;
-    scan(q, w, n, H, D, store, bf16, table, bs, L, scores, bmax, nthreads);
+    if (scan(q, w, qs, n, H, D, store, kind, table, bs, L, scores, bmax, nthreads)) {
+        scratch_trim(SCR_BMAX);
+        return -2;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (n > 1 && nthreads > 1) reduction(| : failed)
     {
@@ -344,7 +535,8 @@ int dsa_select(const float *q, const float *w, int n, int H, int D, const void *
 
 /* Sequence s of dsa_select_many: its rows' selection with nthreads, into the batch's outputs. */
 static int select_seq(const float *q, const float *w, int s, const int32_t *row_off, int H, int D,
-                      const void *store, int bf16, const int64_t *tables, const int64_t *tab_off,
+                      const float *qs, const void *store, int kind, const int64_t *tables,
+                      const int64_t *tab_off,
                       int bs, const int64_t *Ls, const int64_t *q_pos, int topk,
                       int64_t *out_slots, uint8_t *out_valid, int nthreads) {
     const int r0 = row_off[s], n = row_off[s + 1] - r0;
@@ -357,7 +549,8 @@ static int select_seq(const float *q, const float *w, int s, const int32_t *row_
     uint8_t *valid = (uint8_t *)scratch(SCR_VALID, (size_t)(n * k + 1));
     int rc = -2;
     if (scores && pos && cnt && slots && valid)
-        rc = dsa_select(q + (int64_t)r0 * H * D, w + (int64_t)r0 * H, n, H, D, store, bf16,
+        rc = dsa_select(q + (int64_t)r0 * H * D, w + (int64_t)r0 * H,
+                        qs ? qs + (int64_t)r0 * H : NULL, n, H, D, store, kind,
                         tables + tab_off[s], bs, L, q_pos + r0, k, scores, pos, cnt, slots,
                         valid, nthreads);
     if (rc == 0)
@@ -382,18 +575,19 @@ static int select_seq(const float *q, const float *w, int s, const int32_t *row_
  * sequences go over threads, each one's selection on one thread (one sequence: all threads).
  * Returns 0, -1 (index_head_dim > 256) or -2 (out of memory). */
 int dsa_select_many(const float *q, const float *w, int S, const int32_t *row_off, int H, int D,
-                    const void *store, int bf16, const int64_t *tables, const int64_t *tab_off,
+                    const float *qs, const void *store, int kind, const int64_t *tables,
+                    const int64_t *tab_off,
                     int bs, const int64_t *Ls, const int64_t *q_pos, int topk, int64_t *out_slots,
                     uint8_t *out_valid, int nthreads) {
     if (D > 256) return -1;
     if (S == 1) /* not inside a region of one thread: the scan's own region would then be a
                  * nested team, new threads each call (3 ms a call at 2 threads, measured) */
-        return select_seq(q, w, 0, row_off, H, D, store, bf16, tables, tab_off, bs, Ls, q_pos,
+        return select_seq(q, w, 0, row_off, H, D, qs, store, kind, tables, tab_off, bs, Ls, q_pos,
                           topk, out_slots, out_valid, nthreads);
     int failed = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
     for (int s = 0; s < S; s++)
-        failed |= select_seq(q, w, s, row_off, H, D, store, bf16, tables, tab_off, bs, Ls, q_pos,
+        failed |= select_seq(q, w, s, row_off, H, D, qs, store, kind, tables, tab_off, bs, Ls, q_pos,
                              topk, out_slots, out_valid, 1) != 0;
     return failed ? -2 : 0;
 }

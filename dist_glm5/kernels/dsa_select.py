@@ -16,8 +16,11 @@ import ctypes
 import logging
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+
+from dist_glm5.quant import index_q8
 
 from .build import Lazy
 
@@ -29,10 +32,14 @@ _scratch = threading.local()  # per thread: the scores buffer, kept between call
 
 def _signatures(lib: ctypes.CDLL) -> None:
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.dsa_select.argtypes = [p, p, i, i, i, p, i, p, i, i64, p, i, p, p, p, p, p, i]
+    lib.dsa_select.argtypes = [p, p, p, i, i, i, p, i, p, i, i64, p, i, p, p, p, p, p, i]
     lib.dsa_select.restype = i
-    lib.dsa_select_many.argtypes = [p, p, i, p, i, i, p, i, p, p, i, p, p, i, p, p, i]
+    lib.dsa_select_many.argtypes = [p, p, i, p, i, i, p, p, i, p, p, i, p, p, i, p, p, i]
     lib.dsa_select_many.restype = i
+    lib.dsa_select_q8_portable.argtypes = [i]
+    lib.dsa_select_q8_portable.restype = None
+    lib.dsa_select_q8_vnni.argtypes = [i]
+    lib.dsa_select_q8_vnni.restype = i
 
 
 _kernel = Lazy(SOURCE, _signatures)
@@ -54,25 +61,57 @@ def _scores(n: int, L: int) -> torch.Tensor:
     return buf[: n * L].view(n, L)
 
 
-def _inputs(lib, q, w, idx_store, head_dim: int):
-    """What both entry points hand the kernel: q and w (scaled) as contiguous fp32, the store."""
-    if lib is None or idx_store.dtype not in (torch.bfloat16, torch.float32):
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}  # dsa_select.c's KEYS_*
+
+
+class _Inputs(NamedTuple):
+    q: torch.Tensor  # [n, Hi, D] fp32 (int8 keys: the quantised queries' values)
+    w: torch.Tensor  # [n, Hi] fp32, scaled by D**-0.5
+    qs: torch.Tensor | None  # [n, Hi] the queries' scales (int8 keys), else None
+    store: torch.Tensor
+    kind: int
+
+    @property
+    def qs_ptr(self) -> int:
+        return 0 if self.qs is None else self.qs.data_ptr()
+
+
+def _inputs(lib, q, w, idx_store, head_dim: int) -> _Inputs:
+    """What both entry points hand the kernel. Int8 keys (quant/index_q8.py): the queries are
+    quantised here, by the function the torch path scores with."""
+    if lib is None or idx_store.dtype not in _KINDS:
         raise RuntimeError("dsa_select kernel unavailable: use the torch path")
+    qs = None
+    if index_q8.is_store(idx_store):
+        q8, qs = index_q8.quantise(q)
+        q, qs = q8, qs.contiguous()
     qf = q.float().contiguous()
     wf = (w.float() * head_dim**-0.5).contiguous()
-    return qf, wf, idx_store if idx_store.is_contiguous() else idx_store.contiguous()
+    store = idx_store if idx_store.is_contiguous() else idx_store.contiguous()
+    return _Inputs(qf, wf, qs, store, _KINDS[idx_store.dtype])
+
+
+def force_portable(on: bool) -> None:
+    """Int8 keys: take the portable path even where AVX-512 VNNI is (tests compare the two)."""
+    _kernel.get().dsa_select_q8_portable(int(on))
+
+
+def uses_vnni(head_dim: int) -> bool:
+    """Whether int8 keys of this width are scored with AVX-512 VNNI here."""
+    return bool(_kernel.get().dsa_select_q8_vnni(head_dim))
 
 
 def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int, keep=None, mask=True):
-    """q [n, Hi, D], w [n, Hi] fp32, idx_store [S, D] (bf16 or fp32), keys: KeySlots of the
-    sequence, q_pos [n] -> (keep [n, L], slots [n, k], valid [n, k]), k = min(topk, L).
-    keep: an all-False [n, L] bool block to fill (a row block of the caller's mask), else a new
-    one; mask=False: no mask at all (keep is None), for callers that attend by the slots."""
+    """q [n, Hi, D], w [n, Hi] fp32, idx_store [S, D] (bf16 or fp32, or int8 rows [S, D + 4]),
+    keys: KeySlots of the sequence, q_pos [n] -> (keep [n, L], slots [n, k], valid [n, k]),
+    k = min(topk, L). keep: an all-False [n, L] bool block to fill (a row block of the caller's
+    mask), else a new one; mask=False: no mask at all (keep is None), for callers that attend by
+    the slots."""
     lib = _kernel.get()
     n, H, D = q.shape
     L = len(keys)
     k = min(topk, L)
-    qf, wf, store = _inputs(lib, q, w, idx_store, head_dim)
+    a = _inputs(lib, q, w, idx_store, head_dim)
     table = keys.table.to(torch.int64).contiguous()
     qp = q_pos.to(torch.int64).contiguous()
     scores = _scores(n, L)
@@ -81,13 +120,14 @@ def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int, keep=Non
     slots = torch.empty(n, k, dtype=torch.int64)
     valid = torch.empty(n, k, dtype=torch.bool)
     rc = lib.dsa_select(
-        qf.data_ptr(),
-        wf.data_ptr(),
+        a.q.data_ptr(),
+        a.w.data_ptr(),
+        a.qs_ptr,
         n,
         H,
         D,
-        store.data_ptr(),
-        int(store.dtype == torch.bfloat16),
+        a.store.data_ptr(),
+        a.kind,
         table.data_ptr(),
         keys.block_size,
         L,
@@ -116,12 +156,12 @@ def select_many(q, w, idx_store, rows, topk: int, head_dim: int):
     slot, not valid), as select_rows' slots padded to topk."""
     lib = _kernel.get()
     R, H, D = q.shape
-    qf, wf, store = _inputs(lib, q, w, idx_store, head_dim)
+    a = _inputs(lib, q, w, idx_store, head_dim)
     slots = torch.empty(R, topk, dtype=torch.int64)
     valid = torch.empty(R, topk, dtype=torch.bool)
     rc = lib.dsa_select_many(
-        qf.data_ptr(), wf.data_ptr(), len(rows.lengths), rows.row_off.data_ptr(), H, D,
-        store.data_ptr(), int(store.dtype == torch.bfloat16), rows.tables.data_ptr(),
+        a.q.data_ptr(), a.w.data_ptr(), len(rows.lengths), rows.row_off.data_ptr(), H, D,
+        a.qs_ptr, a.store.data_ptr(), a.kind, rows.tables.data_ptr(),
         rows.tab_off.data_ptr(), rows.block_size, rows.lengths.data_ptr(), rows.q_pos.data_ptr(),
         topk, slots.data_ptr(), valid.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip

@@ -41,7 +41,7 @@ struct mla_proj {
     void *kv_store;                               /* [S, kv_lora + rope] */
     int kv_bf16;                                  /* kv_store bf16 (else fp32) */
     /* the indexer (w_iq NULL: the layer has none) */
-    int i_heads, i_dim, i_interleave, idx_bf16;
+    int i_heads, i_dim, i_interleave, idx_kind; /* idx_store fp32, bf16, int8 rows */
     const uint16_t *w_iq, *w_ik, *ln_w, *ln_b, *w_iw; /* [i_heads*i_dim, q_lora], [i_dim, H], [i_dim] x2, [i_heads, H] */
     float eps_ln, iw_scale;
     void *idx_store;                              /* [S, i_dim] */
@@ -73,6 +73,22 @@ static void store_row(void *store, int bf16, int64_t slot, int width, const uint
         memcpy((uint16_t *)store + slot * width, row, sizeof(uint16_t) * width);
     else
         widen_rows(row, width, (float *)store + slot * width);
+}
+
+/* An int8 index-key row (quant/index_q8.py, whose torch form this follows op for op): scale =
+ * amax / 127 (1 when all zero), values round-half-even(x / scale) within +-127, then the scale's
+ * four bytes. */
+static void store_q8_row(void *store, int64_t slot, int D, const uint16_t *row) {
+    uint8_t *o = (uint8_t *)store + slot * ((int64_t)D + 4);
+    float amax = 0.0f;
+    for (int d = 0; d < D; d++) amax = fmaxf(amax, fabsf(bf16_to_f32(row[d])));
+    const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    for (int d = 0; d < D; d++) {
+        float v = nearbyintf(bf16_to_f32(row[d]) / scale);
+        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+        o[d] = (uint8_t)(int8_t)v;
+    }
+    memcpy(o + D, &scale, sizeof(float));
 }
 
 static void layer_norm_row(uint16_t *x, int D, const uint16_t *w, const uint16_t *b, float eps) {
@@ -143,7 +159,10 @@ CLONES int mla_project(const struct mla_proj *p, int nthreads) {
         uint16_t *k = ik + (int64_t)t * p->i_dim;
         layer_norm_row(k, p->i_dim, p->ln_w, p->ln_b, p->eps_ln);
         rope_blocks(k, 1, p->i_dim, p->rope, ct, sn, p->i_interleave);
-        store_row(p->idx_store, p->idx_bf16, p->slots[t], p->i_dim, k);
+        if (p->idx_kind == 2)
+            store_q8_row(p->idx_store, p->slots[t], p->i_dim, k);
+        else
+            store_row(p->idx_store, p->idx_kind == 1, p->slots[t], p->i_dim, k);
         for (int h = 0; h < p->i_heads; h++)
             p->iw[(int64_t)t * p->i_heads + h] =
                 bf16_to_f32(iwb[(int64_t)t * p->i_heads + h]) * p->iw_scale;

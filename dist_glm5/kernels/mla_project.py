@@ -19,6 +19,7 @@ SOURCE = Path(__file__).with_name("mla_project.c")
 # the rows bf16_gemv takes (its tiles here give its bits); more go to the composed ops (torch GEMMs)
 ROWS = 32
 STORES = (torch.bfloat16, torch.float32)
+IDX_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}  # uint8: quant/index_q8.py rows
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -35,7 +36,7 @@ class _Args(ctypes.Structure):
         ("n_slots", ctypes.c_int64),
         ("kv_store", _p),
         ("kv_bf16", _i),
-        *((n, _i) for n in ("i_heads", "i_dim", "i_interleave", "idx_bf16")),
+        *((n, _i) for n in ("i_heads", "i_dim", "i_interleave", "idx_kind")),
         *((n, _p) for n in ("w_iq", "w_ik", "ln_w", "ln_b", "w_iw")),
         ("eps_ln", _f),
         ("iw_scale", _f),
@@ -92,7 +93,7 @@ def step_ok(x, w, cos, sin, slots, kv_store, idx_store) -> bool:
             w.indexer is None
             or (
                 idx_store is not None
-                and idx_store.dtype in STORES
+                and idx_store.dtype in IDX_KINDS
                 and idx_store.is_contiguous()
                 and idx_store.shape[0] == kv_store.shape[0]
             )
@@ -140,7 +141,7 @@ def run(a: _Args, x, cos, sin, slots, kv_store, idx_store, threads: int):
     if a.i_heads:
         iq = torch.empty(T, a.i_heads, a.i_dim, dtype=torch.bfloat16)
         iw = torch.empty(T, a.i_heads, dtype=torch.float32)
-        a.idx_bf16 = int(idx_store.dtype == torch.bfloat16)
+        a.idx_kind = IDX_KINDS[idx_store.dtype]
         a.idx_store, a.iq, a.iw = idx_store.data_ptr(), iq.data_ptr(), iw.data_ptr()
     rc = lib.mla_project(ctypes.byref(a), threads)
     if rc == -3:

@@ -30,6 +30,10 @@ class DSAConfig:
     # that size alone, so no step reads a value back (Gaudi's rule); False: the exact union
     # (`nonzero`) and the choice by its real size (the CPU's default)
     static_union: bool = False
+    # The indexer's keys in the cache: "exact" (the cache's dtype, the reference's scores) or
+    # "int8" (quant/index_q8.py: D + 4 bytes a key, scored as int8 products; the sparse path only,
+    # a speed and memory option whose selections may differ from the exact ones at near-ties)
+    index_keys: str = "exact"
 
     @property
     def sparse(self) -> bool:
@@ -43,5 +47,12 @@ class DSAConfig:
             )
         if self.mode not in ("reference", "sparse"):
             raise ValueError(f"dsa mode {self.mode!r}: use 'reference' or 'sparse'")
+        if self.index_keys not in ("exact", "int8"):
+            raise ValueError(f"index_keys {self.index_keys!r}: use 'exact' or 'int8'")
+        if self.index_keys == "int8" and self.mode != "sparse":
+            raise ValueError(
+                "index_keys 'int8' is for the sparse DSA path (--dsa sparse): the dense "
+                "reference scores exact keys"
+            )
         if self.window < 1 or self.gather_cap_bytes < 1 or not 0 < self.union_max_frac <= 1:
             raise ValueError(f"invalid DSA config {self}")

@@ -112,7 +112,14 @@ class Glm5Model(nn.Module):
         return self.model.layers[str(self.cfg.num_hidden_layers + j)]
 
     def new_cache(self, num_blocks: int, block_size: int = 64) -> PagedKVCache:
-        return PagedKVCache(self.cfg, self.cache_layers, num_blocks, block_size, dtype=self.dtype)
+        return PagedKVCache(
+            self.cfg,
+            self.cache_layers,
+            num_blocks,
+            block_size,
+            dtype=self.dtype,
+            index_keys=self.dsa.index_keys,
+        )
 
     @property
     def dtype(self) -> torch.dtype:

@@ -22,6 +22,7 @@ import torch
 from dist_glm5.model.block_manager import BlockManager, CacheFullError
 from dist_glm5.model.config import ModelConfig
 from dist_glm5.ops.key_slots import KeySlots, RowsKeys
+from dist_glm5.quant import index_q8
 
 __all__ = ["CacheFullError", "Chunk", "ForwardBatch", "KeySlots", "PagedKVCache"]
 
@@ -140,21 +141,25 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         allocate: bool = True,
         device: torch.device | str | None = None,
+        index_keys: str = "exact",
     ):
         """allocate: a standalone cache that grows tables itself in prepare(); a worker's cache
         (allocate=False) only holds the tables its plans send (`assign`). device: where the
-        storage lives (default: the CPU); block tables and metadata stay on the host."""
+        storage lives (default: the CPU); block tables and metadata stay on the host. index_keys:
+        "int8" keeps the indexer's keys as quant/index_q8.py rows (else in `dtype`)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ledger = BlockManager(num_blocks, block_size) if allocate else None
         n = num_blocks * block_size
         # empty, not zeros: only written slots are ever read (padding repeats a written slot), and
         # untouched pages of a long-context cache then cost no memory until used
         self.kv = {l: torch.empty(n, cfg.kv_cache_dim, dtype=dtype, device=device) for l in layers}
-        self.index_k = {
-            l: torch.empty(n, cfg.index_head_dim, dtype=dtype, device=device)
-            for l in layers
-            if cfg.has_indexer(l)
-        }
+
+        def index_store() -> torch.Tensor:
+            if index_keys == "int8":
+                return index_q8.empty_store(n, cfg.index_head_dim, device=device)
+            return torch.empty(n, cfg.index_head_dim, dtype=dtype, device=device)
+
+        self.index_k = {l: index_store() for l in layers if cfg.has_indexer(l)}
         self.tables: dict[int, _Table] = {}
 
     def assign(self, seq_id: int, blocks: list[int]) -> None:

@@ -22,6 +22,7 @@ from dist_glm5.model.linear import Linear
 from dist_glm5.model.norm import RMSNorm
 from dist_glm5.ops import Ops, reference_ops
 from dist_glm5.ops.mla_project import IndexerWeights, ProjectWeights
+from dist_glm5.quant import index_q8
 
 
 class Indexed(NamedTuple):
@@ -140,7 +141,7 @@ class MLA(nn.Module):
         if self.indexer is None:
             return q, q_rot, None, None
         iq, ik, iw = self.indexer(x, q_resid, cos, sin)
-        idx_store[slots] = ik.to(idx_store.dtype)
+        index_q8.write(idx_store, slots, ik)
         return q, q_rot, iq, iw
 
     def project_weights(self) -> ProjectWeights:

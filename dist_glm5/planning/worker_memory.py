@@ -4,7 +4,8 @@ weights      the stage's tensors at their stored/compute size (MXFP4 experts: 0.
              one scale byte per 32), routed experts divided over EP ranks or TP-split, attention
              and dense MLP over TP ranks, embedding / lm_head / MTP where the stage holds them
 mla_cache    (kv_lora_rank + qk_rope_head_dim) values per token per layer (replicated on TP ranks)
-indexer      index_head_dim values per token per layer that runs an indexer
+indexer      index_head_dim values per token per layer that runs an indexer (int8 keys:
+             index_head_dim + 4 bytes)
 workspace    a prefill chunk's activations, the indexer's score rows and DSA keep-masks, the
              capped gathers with their attention temporaries (a few multiples of the gather cap),
              and the host RoPE tables (grown by doubling: 64 MiB for the embedded model at 637K)
@@ -177,7 +178,9 @@ def worker_memory(
         [cfg.num_hidden_layers + j for j in range(cfg.num_nextn_predict_layers)] if mtp else []
     )
     mla = cache_tokens * cfg.kv_cache_dim * cb * len(own)
-    idx = cache_tokens * cfg.index_head_dim * cb * sum(cfg.has_indexer(i) for i in own)
+    # an index key: its values in the cache's dtype, or int8 values and an fp32 scale
+    key = cfg.index_head_dim + 4 if dsa.index_keys == "int8" else cfg.index_head_dim * cb
+    idx = cache_tokens * key * sum(cfg.has_indexer(i) for i in own)
     wide = max(
         cfg.hidden_size,
         cfg.q_lora_rank,

@@ -70,6 +70,11 @@ class HpuStage:
         buckets: BucketConfig | None = None,
     ):
         self.model, self.device, self.name = model, torch.device(device), name
+        if model.dsa.index_keys != "exact":
+            raise ValueError(
+                f"index_keys {model.dsa.index_keys!r} has no Gaudi kernel: run the hpu backend "
+                "with exact index keys (drop --index-keys int8)"
+            )
         self.first = model.layer_range.start == 0  # token ids in, else hidden states
         self.buckets = buckets or BucketConfig.from_env(
             block_size=block_size, max_model_len=max_model_len
