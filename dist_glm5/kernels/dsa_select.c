@@ -265,6 +265,25 @@ VNNI static void transpose16(const uint8_t *rows, int64_t stride, int nk, int g,
     }
 }
 
+/* NH heads of row r (h on) against the 16 transposed keys kt, added into sum in head order. A
+ * macro with a constant NH, so that the accumulators live in registers. */
+#define VNNI_HEADS(NH)                                                                           \
+    do {                                                                                         \
+        __m512i acc[NH];                                                                         \
+        for (int i = 0; i < NH; i++) acc[i] = _mm512_setzero_si512();                            \
+        const int32_t *qh = q4 + ((int64_t)r * H + h) * G;                                       \
+        for (int g = 0; g < G; g++)                                                              \
+            for (int i = 0; i < NH; i++)                                                         \
+                acc[i] = _mm512_dpbusd_epi32(acc[i], kt[g], _mm512_set1_epi32(qh[i * G + g]));   \
+        for (int i = 0; i < NH; i++) {                                                           \
+            const int64_t rh = (int64_t)r * H + h + i;                                           \
+            const __m512i dot = _mm512_sub_epi32(acc[i], _mm512_set1_epi32(qcorr[rh]));          \
+            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qs[rh]));           \
+            f = _mm512_max_ps(_mm512_mul_ps(f, ks), zero); /* relu: +0 for f <= 0 */             \
+            sum = _mm512_fmadd_ps(_mm512_set1_ps(w[rh]), f, sum);                                \
+        }                                                                                        \
+    } while (0)
+
 /* score_block for int8 keys: rows 0..n-1 (q4: each (row, head)'s query as D / 4 dwords of int8,
  * qcorr: 128 * the sum of its bytes) against the m <= 64 keys from `rows` on (stride D + 4). */
 VNNI static void score_block_vnni(const int32_t *q4, const int32_t *qcorr, const float *qs,
@@ -275,7 +294,6 @@ VNNI static void score_block_vnni(const int32_t *q4, const int32_t *qcorr, const
     const __m512i bias = _mm512_set1_epi8((char)0x80);
     const __m512 zero = _mm512_setzero_ps();
     __m512i kt[64]; /* D <= 256 */
-    float row[64] __attribute__((aligned(64)));
     if (mx)
         for (int r = 0; r < n; r++) mx[(int64_t)r * ldm] = -INFINITY;
     for (int j0 = 0; j0 < m; j0 += 16) {
@@ -283,37 +301,21 @@ VNNI static void score_block_vnni(const int32_t *q4, const int32_t *qcorr, const
         const uint8_t *kr = rows + j0 * stride;
         for (int g = 0; g < G; g += 16) transpose16(kr, stride, nk, g, G - g < 16 ? G - g : 16, kt + g);
         for (int g = 0; g < G; g++) kt[g] = _mm512_xor_si512(kt[g], bias);
-        float ksf[16];
-        for (int j = 0; j < 16; j++) {
-            ksf[j] = 0.0f;
-            if (j < nk) memcpy(&ksf[j], kr + j * stride + D, sizeof(float));
-        }
-        const __m512 ks = _mm512_loadu_ps(ksf);
+        const __mmask16 km = (__mmask16)((1u << nk) - 1);
+        const __m512i at = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32((int)stride));
+        const __m512 ks = _mm512_mask_i32gather_ps(zero, km, at, kr + D, 1); /* the scales */
         for (int r = 0; r < n; r++) {
             __m512 sum = zero;
             int h = 0;
-            for (; h < H; h += 8) { /* 8 heads: 8 dependency chains keep both VNNI pipes fed */
-                const int nh = H - h < 8 ? H - h : 8;
-                __m512i acc[8];
-                for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_si512();
-                const int32_t *qh = q4 + ((int64_t)r * H + h) * G;
-                for (int g = 0; g < G; g++)
-                    for (int i = 0; i < nh; i++)
-                        acc[i] = _mm512_dpbusd_epi32(acc[i], kt[g], _mm512_set1_epi32(qh[i * G + g]));
-                for (int i = 0; i < nh; i++) {
-                    const int64_t rh = (int64_t)r * H + h + i;
-                    const __m512i dot = _mm512_sub_epi32(acc[i], _mm512_set1_epi32(qcorr[rh]));
-                    __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qs[rh]));
-                    f = _mm512_max_ps(_mm512_mul_ps(f, ks), zero); /* relu: +0 for f <= 0 */
-                    sum = _mm512_fmadd_ps(_mm512_set1_ps(w[rh]), f, sum);
-                }
-            }
-            _mm512_store_ps(row, sum);
-            memcpy(out + (int64_t)r * ld + j0, row, sizeof(float) * nk);
+            for (; h + 8 <= H; h += 8) VNNI_HEADS(8); /* 8 chains keep both VNNI pipes fed */
+            for (; h + 4 <= H; h += 4) VNNI_HEADS(4);
+            for (; h < H; h++) VNNI_HEADS(1);
+            _mm512_mask_storeu_ps(out + (int64_t)r * ld + j0, km, sum);
             if (mx) {
-                float v = mx[(int64_t)r * ldm];
-                for (int j = 0; j < nk; j++) v = row[j] > v ? row[j] : v;
-                mx[(int64_t)r * ldm] = v;
+                const float v = _mm512_mask_reduce_max_ps(km, sum);
+                if (v > mx[(int64_t)r * ldm]) mx[(int64_t)r * ldm] = v;
             }
         }
     }
