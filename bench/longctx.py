@@ -5,7 +5,8 @@
   the COMPUTED compute bound of its indexer and attention FLOPs at the GEMM rate measured here at
   the same thread count (fp32 torch.mm). Goal: within 3x of the bound.
 - Decode ms/token at each context, batch 1 and 8 (the cache filled with synthetic rows: decode
-  work does not depend on the values). Goal: t(64K) / t(4K) <= 1.2.
+  work does not depend on the values), with exact and with int8 index keys (`--index-keys`), on
+  the embedded model or `--model`. Goal: t(32K) / t(4K) <= 1.2.
 - Peak RSS per worker against the planner's prediction (planning/worker_memory.py) for the same
   run: weights + cache + workspaces.
 - The k-th largest score per row: bisection (Gaudi's method) against torch.topk (the CPU's).
@@ -75,16 +76,23 @@ from dist_glm5.model.dsa import DSAConfig
 from dist_glm5.model.kv_cache import Chunk
 from dist_glm5.checkpoint.loader import load_model
 from dist_glm5.backends import get_backend
+from dist_glm5.quant import index_q8
 ctx, batch, steps, threads = map(int, sys.argv[1:5])
+keys, model = sys.argv[5], sys.argv[6] or ensure_default_model()
 torch.set_num_threads(threads)
-m = load_model(ensure_default_model(), mtp=False, ops=get_backend("cpu").ops(),
-               dsa=DSAConfig(mode="sparse"))
+m = load_model(model, mtp=False, ops=get_backend("cpu").ops(),
+               dsa=DSAConfig(mode="sparse", index_keys=keys))
 per = ctx // 64 + 2
 cache = m.new_cache(per * batch, 64)
 g = torch.Generator().manual_seed(0)
 cache.prepare([Chunk(i, 0, ctx) for i in range(batch)])
-for store in [*cache.kv.values(), *cache.index_k.values()]:
+for store in cache.kv.values():
     store.normal_(generator=g)
+for store in cache.index_k.values():
+    if index_q8.is_store(store):
+        store.copy_(index_q8.pack(torch.randn(store.shape[0], store.shape[1] - 4, generator=g)))
+    else:
+        store.normal_(generator=g)
 times = []
 with torch.no_grad():
     for i in range(steps):
@@ -101,8 +109,18 @@ print(json.dumps({"ms_per_step": 1e3 * sorted(times)[len(times) // 2],
 def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-contexts", type=int, nargs="*", default=[4096, 16384, 65536])
     p.add_argument("--ttft-stages", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--decode-contexts", type=int, nargs="*", default=[4096, 16384, 65536, 131072])
+    p.add_argument(
+        "--decode-contexts", type=int, nargs="*", default=[4096, 16384, 32768, 65536, 131072]
+    )
     p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument(
+        "--index-keys",
+        nargs="+",
+        choices=["exact", "int8"],
+        default=["exact", "int8"],
+        help="decode with these index keys, side by side",
+    )
+    p.add_argument("--model", default="", help="decode on this checkpoint (default: embedded)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (one stage, and decode)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--output", help="write the results as JSON here")
@@ -222,21 +240,25 @@ def run(args: argparse.Namespace) -> int:
                 f"  {T:>7} x {st} stage(s): {r['ttft_s']:8.1f} s, bound {bound:7.1f} s -> "
                 f"{r['ttft_s'] / bound:.1f}x (goal <= 3); peak RSS {rss}"
             )
-    print(f"decode ms per step, {args.threads} thread(s), synthetic cache")
-    base: dict[int, float] = {}
+    print(
+        f"decode ms per step, {args.threads} thread(s), synthetic cache, {args.model or 'embedded'}"
+    )
+    base: dict[tuple, float] = {}
     for B in args.decode_batches:
-        for T in args.decode_contexts:
-            r = sub(_DECODE, T, B, args.steps, args.threads)
-            res["decode"].append({"context": T, "batch": B, **(r or {})})
-            if r is None:
-                print(f"  batch {B} at {T:>7}: failed")
-                continue
-            base.setdefault(B, r["ms_per_step"])
-            print(
-                f"  batch {B} at {T:>7}: {r['ms_per_step']:7.2f} ms "
-                f"({r['ms_per_step'] / base[B]:.2f}x of {args.decode_contexts[0]}; goal at 64K "
-                f"<= 1.2), peak RSS {r['peak_rss_mb']:.0f} MB"
-            )
+        for keys in args.index_keys:
+            for T in args.decode_contexts:
+                r = sub(_DECODE, T, B, args.steps, args.threads, keys, args.model)
+                res["decode"].append({"context": T, "batch": B, "index_keys": keys, **(r or {})})
+                if r is None:
+                    print(f"  batch {B}, {keys} keys, at {T:>7}: failed")
+                    continue
+                ms = r["ms_per_step"]
+                first = base.setdefault((B, keys), ms)
+                print(
+                    f"  batch {B}, {keys:>5} keys, at {T:>7}: {ms:7.2f} ms "
+                    f"({ms / first:.2f}x of {args.decode_contexts[0]}; goal at 32K <= 1.2), "
+                    f"peak RSS {r['peak_rss_mb']:.0f} MB"
+                )
     print("k-th largest score per row: bisection vs torch.topk (same rows, 1 thread)")
     torch.set_num_threads(1)
     res["topk"] = []
