@@ -159,3 +159,11 @@ def test_on_the_shipped_models_keys_selections_and_tokens_stay():
         kept += (ex & got).sum().item()
         total += ex.sum().item()
     assert kept / total >= 0.95, f"int8 keys kept {kept} of the exact keys' {total}"
+
+
+def test_bench_longctx_decodes_with_int8_keys():
+    """`bench longctx`'s decode measurement runs on an int8 cache (synthetic rows in its layout)."""
+    from dist_glm5.bench.longctx import _DECODE, sub
+
+    r = sub(_DECODE, 300, 2, 2, 1, "int8", "")
+    assert r is not None and r["ms_per_step"] > 0
