@@ -11,6 +11,8 @@
  * (nearest even). Only the order of the fp32 additions differs from torch's.
  * Tiles of 8-lane accumulators (8 of 16 AVX2 registers): 4 weight rows x 2 x rows for one or two
  * rows (four weight streams in flight from DRAM), 2 x 4 for more; weight rows split over threads. target_clones: GCC picks AVX-512 / AVX2+FMA / baseline at load time.
+ * On CPUs with AVX512-BF16 the dense products take gemv_tiles.h's vdpbf16ps tiles instead (same
+ * tile shapes; DIST_GLM5_GEMV_FP32=1 keeps the fp32 ones); the experts below keep the fp32 tiles.
  */
 #include <math.h>
 #include <stdint.h>
