@@ -98,6 +98,37 @@ def test_few_row_kernel_is_the_exact_sum_rounded_once():
     assert got.shape == (2, 1, 6) and got[..., 2].isnan().all() and not got[..., :2].isnan().any()
 
 
+_BOTH_TILES = r"""
+import torch
+from dist_glm5.kernels import bf16_gemv
+g = torch.Generator().manual_seed(5)
+for m, N, K in ((1, 80, 96), (3, 7, 45), (6, 33, 200), (32, 64, 1024)):
+    x = torch.randn(m, K, generator=g).bfloat16()
+    w = torch.randn(N, K, generator=g).bfloat16()
+    got = bf16_gemv.linear(x, w)
+    exact = x.double() @ w.double().T
+    bound = exact.abs() * 2**-8 * 1.01 + K * 2**-23 * (x.double().abs() @ w.double().abs().T)
+    assert ((got.double() - exact).abs() <= bound).all(), (m, N, K)
+    # a row's bits do not depend on the rows beside it
+    assert torch.equal(bf16_gemv.linear(x[-1:], w), got[-1:])
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("fp32_tiles", ["1", "0"])
+def test_both_tile_paths_are_the_exact_sum_rounded_once(fp32_tiles):
+    """The fp32 tiles (DIST_GLM5_GEMV_FP32=1) and, where the CPU has AVX512-BF16, the vdpbf16ps
+    ones (the default there; elsewhere "0" runs the fp32 tiles again), each in a fresh process:
+    within the float64 bound above, and a row's bits the same alone as among 32."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DIST_GLM5_GEMV_FP32": fp32_tiles}
+    r = subprocess.run([sys.executable, "-c", _BOTH_TILES], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
 def test_the_kernel_takes_few_rows_and_falls_back_on_the_rest():
     ops = get_backend("cpu").ops()
     g = torch.Generator().manual_seed(4)

@@ -83,8 +83,10 @@ typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
 /* NH heads' dots against NV x 8 keys at kbT + jt, relu'd, weighted and added into sum[0..NV):
  * NH x NV accumulators, NV key vectors and NH broadcasts per d all fit the 16 vector registers
  * (a tile that does not fit makes the compiler re-read the keys as FMA memory operands and the
- * loop becomes load-bound). A macro, not a function: each target clone compiles it for its ISA. */
-#define HEADS(NH, NV)                                                                            \
+ * loop becomes load-bound). A macro, not a function: each target clone compiles it for its ISA.
+ * Q8 (a constant): int8 keys, whose dots (exact integers in fp32) are first multiplied by the
+ * query's and the keys' scales (qsr, ks). */
+#define HEADS(NH, NV, Q8)                                                                        \
     do {                                                                                         \
         v8 acc[NH][NV];                                                                          \
         for (int i = 0; i < NH; i++)                                                             \
@@ -99,28 +101,9 @@ typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
             }                                                                                    \
         }                                                                                        \
         for (int i = 0; i < NH; i++) /* relu, then the head weights, in head order */            \
-            for (int v = 0; v < NV; v++) sum[v] += splat(wr[h + i]) * relu(acc[i][v]);           \
-    } while (0)
-
-/* HEADS for int8 keys: the dots (exact integers in fp32) times the query's and the key's scales
- * (ks: the 64 keys' scales), then relu and the head weights as HEADS. */
-#define HEADS_Q8(NH, NV)                                                                         \
-    do {                                                                                         \
-        v8 acc[NH][NV];                                                                          \
-        for (int i = 0; i < NH; i++)                                                             \
-            for (int v = 0; v < NV; v++) acc[i][v] = zero;                                       \
-        for (int d = 0; d < D; d++) {                                                            \
-            v8 kv[NV];                                                                           \
-            for (int v = 0; v < NV; v++)                                                         \
-                kv[v] = *(const volatile v8 *)(kbT + d * 64 + jt + 8 * v);                       \
-            for (int i = 0; i < NH; i++) {                                                       \
-                const v8 x = splat(qr[(int64_t)(h + i) * D + d]);                               \
-                for (int v = 0; v < NV; v++) acc[i][v] += x * kv[v];                             \
-            }                                                                                    \
-        }                                                                                        \
-        for (int i = 0; i < NH; i++)                                                             \
             for (int v = 0; v < NV; v++) {                                                       \
-                const v8 f = acc[i][v] * splat(qsr[h + i]) * *(const v8 *)(ks + jt + 8 * v);    \
+                v8 f = acc[i][v];                                                                \
+                if (Q8) f = f * splat(qsr[h + i]) * *(const v8 *)(ks + jt + 8 * v);             \
                 sum[v] += splat(wr[h + i]) * relu(f);                                            \
             }                                                                                    \
     } while (0)
@@ -143,11 +126,12 @@ CLONES static void score_block(const float *q, const float *w, const float *qs, 
             int h = 0;
             if (ks) { /* int8 keys (qs, ks: the scales) */
                 const float *qsr = qs + (int64_t)r * H;
-                for (; h + 2 <= H; h += 2) HEADS_Q8(2, 4);
-                if (h < H) HEADS_Q8(1, 4);
+                for (; h + 2 <= H; h += 2) HEADS(2, 4, 1);
+                if (h < H) HEADS(1, 4, 1);
             } else {
-                for (; h + 2 <= H; h += 2) HEADS(2, 4);
-                if (h < H) HEADS(1, 4); /* an odd head count's last head */
+                const float *qsr = NULL; /* unread */
+                for (; h + 2 <= H; h += 2) HEADS(2, 4, 0);
+                if (h < H) HEADS(1, 4, 0); /* an odd head count's last head */
             }
             for (int v = 0; v < 4; v++) *(v8 *)(row + jt + 8 * v) = sum[v];
         }

@@ -59,29 +59,36 @@ static inline __attribute__((always_inline)) void tile(const float *xf, int K, c
     }
 }
 
-/* Weight rows n0 .. n0+wr-1 against every x row: tiles of 4 weight rows x 2 x rows while a row
- * or two remain (decode: more weight streams in flight), 2 x 4 otherwise. */
+/* The tiles over every x row for weight rows n0 .. n0+wr-1, each tile called with constant
+ * shapes (TILE: tile or tile16, on X): 4 weight rows x 2 x rows while a row or two remain (decode:
+ * more weight streams in flight), 2 x 4 otherwise. */
+#define ROWS_OF(TILE, X)                                                                         \
+    do {                                                                                         \
+        int r0 = 0;                                                                              \
+        for (; m - r0 >= 4 && wr >= 2; r0 += 4) {                                                \
+            TILE(X, K, w, n0, 2, r0, 4, b, y, N);                                                \
+            if (wr > 2) TILE(X, K, w, n0 + 2, wr - 2 == 1 ? 1 : 2, r0, 4, b, y, N);              \
+        }                                                                                        \
+        for (; r0 < m; r0 += 2) {                                                                \
+            int mr = m - r0 >= 2 ? 2 : 1;                                                        \
+            switch (wr * 4 + mr) {                                                               \
+            case 4 * 4 + 2: TILE(X, K, w, n0, 4, r0, 2, b, y, N); break;                         \
+            case 4 * 4 + 1: TILE(X, K, w, n0, 4, r0, 1, b, y, N); break;                         \
+            case 3 * 4 + 2: TILE(X, K, w, n0, 3, r0, 2, b, y, N); break;                         \
+            case 3 * 4 + 1: TILE(X, K, w, n0, 3, r0, 1, b, y, N); break;                         \
+            case 2 * 4 + 2: TILE(X, K, w, n0, 2, r0, 2, b, y, N); break;                         \
+            case 2 * 4 + 1: TILE(X, K, w, n0, 2, r0, 1, b, y, N); break;                         \
+            case 1 * 4 + 2: TILE(X, K, w, n0, 1, r0, 2, b, y, N); break;                         \
+            default: TILE(X, K, w, n0, 1, r0, 1, b, y, N);                                       \
+            }                                                                                    \
+        }                                                                                        \
+    } while (0)
+
+/* Weight rows n0 .. n0+wr-1 against every x row (fp32 tiles). */
 static inline __attribute__((always_inline)) void rows(const float *xf, int m, int K,
                                                        const uint16_t *w, int n0, int wr,
                                                        const uint16_t *b, uint16_t *y, int N) {
-    int r0 = 0;
-    for (; m - r0 >= 4 && wr >= 2; r0 += 4) {
-        tile(xf, K, w, n0, 2, r0, 4, b, y, N);
-        if (wr > 2) tile(xf, K, w, n0 + 2, wr - 2 == 1 ? 1 : 2, r0, 4, b, y, N);
-    }
-    for (; r0 < m; r0 += 2) {
-        int mr = m - r0 >= 2 ? 2 : 1;
-        switch (wr * 4 + mr) {
-        case 4 * 4 + 2: tile(xf, K, w, n0, 4, r0, 2, b, y, N); break;
-        case 4 * 4 + 1: tile(xf, K, w, n0, 4, r0, 1, b, y, N); break;
-        case 3 * 4 + 2: tile(xf, K, w, n0, 3, r0, 2, b, y, N); break;
-        case 3 * 4 + 1: tile(xf, K, w, n0, 3, r0, 1, b, y, N); break;
-        case 2 * 4 + 2: tile(xf, K, w, n0, 2, r0, 2, b, y, N); break;
-        case 2 * 4 + 1: tile(xf, K, w, n0, 2, r0, 1, b, y, N); break;
-        case 1 * 4 + 2: tile(xf, K, w, n0, 1, r0, 2, b, y, N); break;
-        default: tile(xf, K, w, n0, 1, r0, 1, b, y, N);
-        }
-    }
+    ROWS_OF(tile, xf);
 }
 
 /* ---- The same tiles with AVX512-BF16 (vdpbf16ps: 16 lanes, each adding a pair of bf16
@@ -137,28 +144,12 @@ static inline __attribute__((always_inline)) BF16DOT void tile16(const uint16_t 
         }
 }
 
+/* rows, with the AVX512-BF16 tiles. */
 static inline __attribute__((always_inline)) BF16DOT void rows16(const uint16_t *x16, int m,
                                                                  int K, const uint16_t *w, int n0,
                                                                  int wr, const uint16_t *b,
                                                                  uint16_t *y, int N) {
-    int r0 = 0;
-    for (; m - r0 >= 4 && wr >= 2; r0 += 4) {
-        tile16(x16, K, w, n0, 2, r0, 4, b, y, N);
-        if (wr > 2) tile16(x16, K, w, n0 + 2, wr - 2 == 1 ? 1 : 2, r0, 4, b, y, N);
-    }
-    for (; r0 < m; r0 += 2) {
-        int mr = m - r0 >= 2 ? 2 : 1;
-        switch (wr * 4 + mr) {
-        case 4 * 4 + 2: tile16(x16, K, w, n0, 4, r0, 2, b, y, N); break;
-        case 4 * 4 + 1: tile16(x16, K, w, n0, 4, r0, 1, b, y, N); break;
-        case 3 * 4 + 2: tile16(x16, K, w, n0, 3, r0, 2, b, y, N); break;
-        case 3 * 4 + 1: tile16(x16, K, w, n0, 3, r0, 1, b, y, N); break;
-        case 2 * 4 + 2: tile16(x16, K, w, n0, 2, r0, 2, b, y, N); break;
-        case 2 * 4 + 1: tile16(x16, K, w, n0, 2, r0, 1, b, y, N); break;
-        case 1 * 4 + 2: tile16(x16, K, w, n0, 1, r0, 2, b, y, N); break;
-        default: tile16(x16, K, w, n0, 1, r0, 1, b, y, N);
-        }
-    }
+    ROWS_OF(tile16, x16);
 }
 
 static BF16DOT void products16(const uint16_t *x16, int m, int K, int np, const uint16_t *const *w,
