@@ -61,9 +61,6 @@ def _scores(n: int, L: int) -> torch.Tensor:
     return buf[: n * L].view(n, L)
 
 
-_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}  # dsa_select.c's KEYS_*
-
-
 class _Inputs(NamedTuple):
     q: torch.Tensor  # [n, Hi, D] fp32 (int8 keys: the quantised queries' values)
     w: torch.Tensor  # [n, Hi] fp32, scaled by D**-0.5
@@ -79,7 +76,7 @@ class _Inputs(NamedTuple):
 def _inputs(lib, q, w, idx_store, head_dim: int) -> _Inputs:
     """What both entry points hand the kernel. Int8 keys (quant/index_q8.py): the queries are
     quantised here, by the function the torch path scores with."""
-    if lib is None or idx_store.dtype not in _KINDS:
+    if lib is None or idx_store.dtype not in index_q8.KERNEL_KINDS:
         raise RuntimeError("dsa_select kernel unavailable: use the torch path")
     qs = None
     if index_q8.is_store(idx_store):
@@ -88,7 +85,7 @@ def _inputs(lib, q, w, idx_store, head_dim: int) -> _Inputs:
     qf = q.float().contiguous()
     wf = (w.float() * head_dim**-0.5).contiguous()
     store = idx_store if idx_store.is_contiguous() else idx_store.contiguous()
-    return _Inputs(qf, wf, qs, store, _KINDS[idx_store.dtype])
+    return _Inputs(qf, wf, qs, store, index_q8.KERNEL_KINDS[idx_store.dtype])
 
 
 def force_portable(on: bool) -> None:

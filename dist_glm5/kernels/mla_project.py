@@ -13,13 +13,14 @@ from pathlib import Path
 
 import torch
 
+from dist_glm5.quant import index_q8
+
 from .build import Lazy
 
 SOURCE = Path(__file__).with_name("mla_project.c")
 # the rows bf16_gemv takes (its tiles here give its bits); more go to the composed ops (torch GEMMs)
 ROWS = 32
 STORES = (torch.bfloat16, torch.float32)
-IDX_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}  # uint8: quant/index_q8.py rows
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -93,7 +94,7 @@ def step_ok(x, w, cos, sin, slots, kv_store, idx_store) -> bool:
             w.indexer is None
             or (
                 idx_store is not None
-                and idx_store.dtype in IDX_KINDS
+                and idx_store.dtype in index_q8.KERNEL_KINDS
                 and idx_store.is_contiguous()
                 and idx_store.shape[0] == kv_store.shape[0]
             )
@@ -141,7 +142,7 @@ def run(a: _Args, x, cos, sin, slots, kv_store, idx_store, threads: int):
     if a.i_heads:
         iq = torch.empty(T, a.i_heads, a.i_dim, dtype=torch.bfloat16)
         iw = torch.empty(T, a.i_heads, dtype=torch.float32)
-        a.idx_kind = IDX_KINDS[idx_store.dtype]
+        a.idx_kind = index_q8.KERNEL_KINDS[idx_store.dtype]
         a.idx_store, a.iq, a.iw = idx_store.data_ptr(), iq.data_ptr(), iw.data_ptr()
     rc = lib.mla_project(ctypes.byref(a), threads)
     if rc == -3:

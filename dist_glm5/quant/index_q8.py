@@ -24,6 +24,8 @@ import torch
 
 QMAX = 127
 SCALE_BYTES = 4
+# an index-key store's code in the C kernels (dsa_select.c, mla_project.c): fp32, bf16, these rows
+KERNEL_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
 
 
 def row_bytes(head_dim: int) -> int:
