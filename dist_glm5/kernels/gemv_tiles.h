@@ -152,18 +152,24 @@ static inline __attribute__((always_inline)) BF16DOT void rows16(const uint16_t 
     ROWS_OF(tile16, x16);
 }
 
+/* The np products' weight rows in quads over threads (ROWSFN: rows or rows16, on X); np <= 8. */
+#define OVER_QUADS(ROWSFN, X)                                                                    \
+    do {                                                                                         \
+        int start[9] = {0}; /* quad offsets of each product */                                   \
+        for (int i = 0; i < np; i++) start[i + 1] = start[i] + (N[i] + 3) / 4;                   \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)")     \
+        for (int q = 0; q < start[np]; q++) {                                                    \
+            int i = 0;                                                                           \
+            while (q >= start[i + 1]) i++;                                                       \
+            int n0 = 4 * (q - start[i]), wr = N[i] - n0 < 4 ? N[i] - n0 : 4;                     \
+            ROWSFN(X, m, K, w[i], n0, wr, b[i], y[i], N[i]);                                     \
+        }                                                                                        \
+    } while (0)
+
 static BF16DOT void products16(const uint16_t *x16, int m, int K, int np, const uint16_t *const *w,
                                const int *N, const uint16_t *const *b, uint16_t *const *y,
                                int nthreads) {
-    int start[9] = {0};
-    for (int i = 0; i < np; i++) start[i + 1] = start[i] + (N[i] + 3) / 4;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int q = 0; q < start[np]; q++) {
-        int i = 0;
-        while (q >= start[i + 1]) i++;
-        int n0 = 4 * (q - start[i]), wr = N[i] - n0 < 4 ? N[i] - n0 : 4;
-        rows16(x16, m, K, w[i], n0, wr, b[i], y[i], N[i]);
-    }
+    OVER_QUADS(rows16, x16);
 }
 
 /* Whether products take the AVX512-BF16 tiles: the CPU has them and DIST_GLM5_GEMV_FP32 is not
@@ -203,15 +209,7 @@ static CLONES void products(const float *xf, int m, int K, int np, const uint16_
             return;
         }
     }
-    int start[9] = {0}; /* np <= 8: quad offsets of each product */
-    for (int i = 0; i < np; i++) start[i + 1] = start[i] + (N[i] + 3) / 4;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int q = 0; q < start[np]; q++) {
-        int i = 0;
-        while (q >= start[i + 1]) i++;
-        int n0 = 4 * (q - start[i]), wr = N[i] - n0 < 4 ? N[i] - n0 : 4;
-        rows(xf, m, K, w[i], n0, wr, b[i], y[i], N[i]);
-    }
+    OVER_QUADS(rows, xf);
 }
 
 #endif
