@@ -55,6 +55,12 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--needle-lengths", type=int, nargs="*", default=[4096, 16384, 65536])
     p.add_argument("--gate-lengths", type=int, nargs="*", default=[4096, 16384])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--index-keys",
+        choices=["exact", "int8"],
+        default="exact",
+        help="the needles' sparse runs with these index keys (the reference's stay exact)",
+    )
     p.add_argument("--output", default=None, help="also write the JSON here")
     p.set_defaults(func=run)
 
@@ -406,7 +412,7 @@ def run(args) -> int:
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
         try:
             res["needles"] = quality.needles(
-                model_dir, args.needle_lengths, 2, max(args.gate_lengths)
+                model_dir, args.needle_lengths, 2, max(args.gate_lengths), args.index_keys
             )
         finally:
             ray.shutdown()

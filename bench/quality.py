@@ -262,11 +262,12 @@ def ask(coord, prompts, answers) -> dict:
     }
 
 
-def needles(model_dir, lengths, stages: int, reference_max: int) -> dict:
+def needles(model_dir, lengths, stages: int, reference_max: int, index_keys="exact") -> dict:
+    """index_keys: the sparse runs' (DSAConfig.index_keys); the dense reference's are exact."""
     from dist_glm5.model.dsa_config import DSAConfig
 
     out = {}
-    sparse = DSAConfig(mode="sparse", dense_threshold=0)
+    sparse = DSAConfig(mode="sparse", dense_threshold=0, index_keys=index_keys)
     for length in lengths:
         blocks = 3 * (length // 64 + 4) + 16
         cases = {
