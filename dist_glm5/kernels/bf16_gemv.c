@@ -30,12 +30,7 @@
  * fp32 copy of x cannot be allocated. */
 CLONES int bf16_gemv(const uint16_t *x, int m, int K, const uint16_t *w, int N, const uint16_t *b,
                      uint16_t *y, int nthreads) {
-    float *xf = malloc((size_t)m * K * sizeof(float));
-    if (!xf) return -1;
-    for (int64_t i = 0; i < (int64_t)m * K; i++) xf[i] = bf16_to_f32(x[i]);
-    products(xf, m, K, 1, &w, &N, &b, &y, nthreads);
-    free(xf);
-    return 0;
+    return products(x, m, K, 1, &w, &N, &b, &y, nthreads);
 }
 
 /* ----- Routed experts with bf16 weights, for a few tokens: what ops/experts.experts_reference

@@ -184,32 +184,29 @@ static int bf16dot(void) {
     return on;
 }
 
-/* Every weight row of np products of the same x against every x row (xf: x widened to fp32;
- * product i: weights w[i] [N[i], K], bias b[i] or NULL, output y[i]), weight rows in quads over
- * threads, all the products' quads in one parallel region: a decode step's projections of one
- * row are a few small products, and a region per product paid its fork, join and idle thread on
- * the smallest. A product's bits depend on m, never on the thread count or its companions.
+/* Every weight row of np products of the same x (bf16 [m, K]) against every x row (product i:
+ * weights w[i] [N[i], K], bias b[i] or NULL, output y[i]), weight rows in quads over threads,
+ * all the products' quads in one parallel region: a decode step's projections of one row are a
+ * few small products, and a region per product paid its fork, join and idle thread on the
+ * smallest. A product's bits depend on m, never on the thread count or its companions. The fp32
+ * tiles take x widened once here; the AVX512-BF16 tiles take it as it is.
  * A function with its own target clones, not an inlined helper: OpenMP outlines a parallel
  * region before inlining, so a region inside an always-inline helper compiled once, for the
  * baseline ISA, whatever its includer's clone (every decode product ran in SSE2 code until
- * this). */
-static CLONES void products(const float *xf, int m, int K, int np, const uint16_t *const *w,
-                            const int *N, const uint16_t *const *b, uint16_t *const *y,
-                            int nthreads) {
-    if (bf16dot()) { /* xf holds bf16 values: their top halves are x exactly */
-        uint16_t *x16 = malloc(sizeof(uint16_t) * ((size_t)m * K + 1));
-        if (x16) {
-            for (int64_t i = 0; i < (int64_t)m * K; i++) {
-                uint32_t u;
-                memcpy(&u, xf + i, sizeof(u));
-                x16[i] = (uint16_t)(u >> 16);
-            }
-            products16(x16, m, K, np, w, N, b, y, nthreads);
-            free(x16);
-            return;
-        }
+ * this). Returns 0, or -1 when the fp32 copy of x cannot be allocated. */
+static CLONES int products(const uint16_t *x, int m, int K, int np, const uint16_t *const *w,
+                           const int *N, const uint16_t *const *b, uint16_t *const *y,
+                           int nthreads) {
+    if (bf16dot()) {
+        products16(x, m, K, np, w, N, b, y, nthreads);
+        return 0;
     }
+    float *xf = malloc(sizeof(float) * ((size_t)m * K + 1));
+    if (!xf) return -1;
+    for (int64_t i = 0; i < (int64_t)m * K; i++) xf[i] = bf16_to_f32(x[i]);
     OVER_QUADS(rows, xf);
+    free(xf);
+    return 0;
 }
 
 #endif

@@ -114,8 +114,6 @@ CLONES int mla_project(const struct mla_proj *p, int nthreads) {
         if (p->slots[t] < 0 || p->slots[t] >= p->n_slots) return -3;
     const int ix = p->w_iq != NULL;
     const int NI = ix ? p->i_heads * p->i_dim : 0;
-    float *xf = malloc(sizeof(float) * ((size_t)T * H + 1));
-    float *qf = malloc(sizeof(float) * ((size_t)T * QL + 1));
     uint16_t *qa = malloc(sizeof(uint16_t) * ((size_t)T * QL + 1));
     uint16_t *qr = malloc(sizeof(uint16_t) * ((size_t)T * QL + 1));
     uint16_t *ckv = malloc(sizeof(uint16_t) * ((size_t)T * KV + 1));
@@ -123,25 +121,23 @@ CLONES int mla_project(const struct mla_proj *p, int nthreads) {
     uint16_t *ik = malloc(sizeof(uint16_t) * ((size_t)T * (ix ? p->i_dim : 1) + 1));
     uint16_t *iwb = malloc(sizeof(uint16_t) * ((size_t)T * (ix ? p->i_heads : 1) + 1));
     int rc = -1;
-    if (!xf || !qf || !qa || !qr || !ckv || !row || !ik || !iwb) goto done;
-    widen_rows(p->x, (int64_t)T * H, xf);
+    if (!qa || !qr || !ckv || !row || !ik || !iwb) goto done;
     /* the products of x */
     {
         const uint16_t *w[4] = {p->w_qa, p->w_kva, p->w_ik, p->w_iw};
         const uint16_t *b[4] = {p->b_qa, p->b_kva, NULL, NULL};
         uint16_t *y[4] = {qa, ckv, ik, iwb};
         const int N[4] = {QL, KV, p->i_dim, p->i_heads};
-        products(xf, T, H, ix ? 4 : 2, w, N, b, y, nthreads);
+        if (products(p->x, T, H, ix ? 4 : 2, w, N, b, y, nthreads)) goto done;
     }
     /* q_resid, then its products */
     for (int t = 0; t < T; t++)
         rms_row(qa + (int64_t)t * QL, QL, 1, p->n_qa, p->eps_qa, qr + (int64_t)t * QL);
-    widen_rows(qr, (int64_t)T * QL, qf);
     {
         const uint16_t *w[2] = {p->w_qb, p->w_iq}, *b[2] = {NULL, NULL};
         uint16_t *y[2] = {p->q, p->iq};
         const int N[2] = {p->heads * hd, NI};
-        products(qf, T, QL, ix ? 2 : 1, w, N, b, y, nthreads);
+        if (products(qr, T, QL, ix ? 2 : 1, w, N, b, y, nthreads)) goto done;
     }
     for (int t = 0; t < T; t++) {
         const float *ct = p->cos + (int64_t)t * half, *sn = p->sin + (int64_t)t * half;
@@ -169,6 +165,6 @@ CLONES int mla_project(const struct mla_proj *p, int nthreads) {
     }
     rc = 0;
 done:
-    free(xf), free(qf), free(qa), free(qr), free(ckv), free(row), free(ik), free(iwb);
+    free(qa), free(qr), free(ckv), free(row), free(ik), free(iwb);
     return rc;
 }
