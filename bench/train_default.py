@@ -59,6 +59,13 @@ def register(p: argparse.ArgumentParser) -> None:
         "indexers' and the draft's (0: the committed recipe)",
     )
     p.add_argument(
+        "--unloop-at",
+        choices=("end", "long"),
+        default="end",
+        help="where the unloop phase goes: before the indexers' phase (end) or before the long "
+        "sparse phases (long: they train long copying again after it)",
+    )
+    p.add_argument(
         "--export-only",
         action="store_true",
         help="export the run's last saved step to --export and stop (gate a run as it goes)",
@@ -88,5 +95,6 @@ def run(args: argparse.Namespace) -> int:
         line_heads=args.line_heads,
         base_extra=args.base_extra,
         unloop_steps=args.unloop,
+        unloop_at=args.unloop_at,
     )
     return 0

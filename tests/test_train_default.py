@@ -462,3 +462,17 @@ def test_unloop_prompts_are_one_length_and_end_where_the_model_should_write():
     assert len(prompts) == n_code + n_chat and {len(p) for p in prompts} == {unloop.PROMPT}
     assert all(bytes(p).endswith(b"\n") for p in prompts[:n_code])
     assert all(bytes(p).endswith(b"<|assistant|>\n") for p in prompts[n_code:])
+
+
+def test_unloop_at_long_goes_before_the_long_phases():
+    plan = td.phases(0, 300, "long")
+    base_end = td.PHASES[1].end
+    ul = td.phase_of(base_end, plan)
+    assert ul.unlikelihood and ul.end == base_end + 300
+    assert td.phase_of(base_end + 300, plan).mix == "long"
+    # every phase after it moves by 300; the ones before do not
+    assert [p.end for p in plan if not p.unlikelihood] == [
+        q.end + (300 if q.end > base_end else 0) for q in td.PHASES
+    ]
+    with pytest.raises(ValueError, match="unloop_at"):
+        td.phases(0, 10, "middle")

@@ -229,13 +229,14 @@ PHASES = [
 ]
 
 
-def phases(base_extra: int = 0, unloop_steps: int = 0) -> list[Phase]:
+def phases(base_extra: int = 0, unloop_steps: int = 0, unloop_at: str = "end") -> list[Phase]:
     """The recipe's phases with the base phase `base_extra` steps longer (the later phases move
     with it): with both cores (--threads 2, about 1.7x the steps an hour) the 3-hour budget
     holds more of the base mix, where the code and the chats are learned. unloop_steps: an "unloop"
     phase of that many steps (the unlikelihood loss on the model's own greedy loops, unloop.py)
     after the long sparse phases, before the indexers' and the draft's (they fit the final
-    model)."""
+    model). unloop_at "long": the unloop phase comes before the long sparse phases instead, so
+    that they train long copying again after it (p4v, unloop after them, lost 16K needles)."""
     base_end = next(ph.end for ph in PHASES if ph.mix == "base")
     plan = [
         ph if ph.end < base_end else dataclasses.replace(ph, end=ph.end + base_extra)
@@ -243,7 +244,13 @@ def phases(base_extra: int = 0, unloop_steps: int = 0) -> list[Phase]:
     ]
     if not unloop_steps:
         return plan
-    at = next(i for i, ph in enumerate(plan) if ph.train == "indexers")
+    if unloop_at not in ("end", "long"):
+        raise ValueError(f"unloop_at {unloop_at!r}: use 'end' or 'long'")
+    # the phase the unloop phase goes before: the indexers' (end) or the first long one
+    before = (
+        (lambda ph: ph.train == "indexers") if unloop_at == "end" else (lambda ph: ph.mix == "long")
+    )
+    at = next(i for i, ph in enumerate(plan) if before(ph))
     ul = Phase(plan[at - 1].end + unloop_steps, 512, 4, True, "base", unlikelihood=UNLOOP_WEIGHT)
     later = [dataclasses.replace(ph, end=ph.end + unloop_steps) for ph in plan[at:]]
     return plan[:at] + [ul] + later
@@ -1081,6 +1088,7 @@ def train(
     line_heads: bool = False,
     base_extra: int = 0,
     unloop_steps: int = 0,
+    unloop_at: str = "end",
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1089,10 +1097,10 @@ def train(
     line's indentation (indent_targets) count 1 + indent_weight times in the LM loss (0: the
     committed recipe); line_heads: supervise LINE_HEADS (off: the committed recipe); base_extra:
     steps added to the base phase (phases; 0: the committed recipe); unloop_steps: the "unloop"
-    phase's steps (phases; 0: none, the committed recipe)."""
+    phase's steps (phases; 0: none, the committed recipe), unloop_at where it goes (phases)."""
     from tqdm import tqdm
 
-    plan = phases(base_extra, unloop_steps)
+    plan = phases(base_extra, unloop_steps, unloop_at)
     steps = plan[-1].end if steps is None else steps
     torch.set_num_threads(threads)
     out = Path(out)
