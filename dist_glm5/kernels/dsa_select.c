@@ -477,12 +477,17 @@ int dsa_select(const float *q, const float *w, const float *qs, int n, int H, in
                float *scores, int64_t *out_pos, int32_t *out_cnt, int64_t *out_slots,
                uint8_t *out_valid, int nthreads) {
     if (D > 256) return -1;
+    /* rows with at most k causal keys take them all, unscored: when every row does (a context
+     * up to index_topk), the scan is skipped (at batch 32 x 256 keys it was 5% of a step) */
+    int scored = 0;
+    for (int r = 0; r < n && !scored; r++) scored = (q_pos[r] + 1 < L ? q_pos[r] + 1 : L) > k;
     const int64_t ldm = (L + 63) / 64;
     /* the scan's block maxima: on the 64-key grid only when the cache's blocks tile it */
-    float *bmax = bs % 64 == 0 ? (float *)scratch(SCR_BMAX, sizeof(float) * (size_t)(n * ldm + 1))
-                               : NULL;
-    if (bs % 64 == 0 && !bmax) return -2;
-    if (scan(q, w, qs, n, H, D, store, kind, table, bs, L, scores, bmax, nthreads)) {
+    float *bmax = scored && bs % 64 == 0
+                      ? (float *)scratch(SCR_BMAX, sizeof(float) * (size_t)(n * ldm + 1))
+                      : NULL;
+    if (scored && bs % 64 == 0 && !bmax) return -2;
+    if (scored && scan(q, w, qs, n, H, D, store, kind, table, bs, L, scores, bmax, nthreads)) {
         scratch_trim(SCR_BMAX);
         return -2;
     }
