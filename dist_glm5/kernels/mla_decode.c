@@ -100,9 +100,19 @@ static inline __attribute__((always_inline)) void q_latent(
 static inline __attribute__((always_inline)) void segment(
     const float *qT, const void *kv, const int64_t *sl, const uint8_t *ok, int t0, int t1, int h,
     int H8, int c, int r, float scale, int is_bf16, float *scratch, float *part) {
-    const int cr = c + r, n = t1 - t0;
+    const int cr = c + r;
     float *rows = scratch, *S = rows + (int64_t)SEG * cr;
     float *mx = part, *sum = part + H8, *o = part + 2 * H8;
+    /* invalid keys after the last valid one are left out (a weight of 0 adds +0.0: the same
+     * bits); a segment with none valid is skipped whole, as the merge skips it (max -inf). The
+     * selection pads a short context's row to index_topk with invalid keys: at 128 keys of 256,
+     * half of the work was padding. */
+    int n = t1 - t0;
+    while (n > 0 && !ok[t0 + n - 1]) n--;
+    if (n == 0) {
+        for (int j = 0; j < H8; j++) mx[j] = -INFINITY, sum[j] = 0.0f;
+        return;
+    }
     for (int u = 0; u < n; u++) { /* an invalid key's row: zeros (its weight is 0) */
         float *row = rows + (int64_t)u * cr;
         if (!ok[t0 + u]) {
