@@ -194,6 +194,32 @@ def test_bf16_experts_are_the_loops_roundings(threads):
     assert (got[none] == 0).all()  # a token none of whose experts are here gets nothing
 
 
+def test_bf16_experts_bits_depend_on_neither_threads_nor_batch():
+    """All touched experts go through one parallel region in phases: a token's result is the
+    same bits on 1 and 2 threads, and alone as among the batch."""
+    g = torch.Generator().manual_seed(7)
+    T, H, I, E, k = bf16_gemv.ROWS, 256, 96, 16, 4
+    x = torch.randn(T, H, generator=g).bfloat16()
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.1).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) * 0.1).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
+    tw = torch.rand(T, k, generator=g)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(bf16_gemv.experts(x, ids, tw, w13, w2, 0, E - 1))
+        assert torch.equal(outs[0], outs[1])
+        for t in (0, T - 1):
+            alone = bf16_gemv.experts(
+                x[t : t + 1], ids[t : t + 1], tw[t : t + 1], w13, w2, 0, E - 1
+            )
+            assert torch.equal(alone[0], outs[1][t])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_backend_routes_what_the_kernels_do_not_take_to_the_references():
     ops = get_backend("cpu").ops()
     g = torch.Generator().manual_seed(3)

@@ -12,7 +12,7 @@
  * Tiles of 8-lane accumulators (8 of 16 AVX2 registers): 4 weight rows x 2 x rows for one or two
  * rows (four weight streams in flight from DRAM), 2 x 4 for more; weight rows split over threads. target_clones: GCC picks AVX-512 / AVX2+FMA / baseline at load time.
  * On CPUs with AVX512-BF16 the dense products take gemv_tiles.h's vdpbf16ps tiles instead (same
- * tile shapes; DIST_GLM5_GEMV_FP32=1 keeps the fp32 ones); the experts below keep the fp32 tiles.
+ * tile shapes; DIST_GLM5_GEMV_FP32=1 keeps the fp32 ones), the experts below too.
  */
 #include <math.h>
 #include <stdint.h>
@@ -40,82 +40,124 @@ CLONES int bf16_gemv(const uint16_t *x, int m, int K, const uint16_t *w, int N, 
  * Python: about ten eager ops per expert, 8 experts per layer, which at batch 1 cost more than
  * reading the experts' weights. */
 
+/* Weight rows [n0, n0 + wr) of w [N, K] against the n rows of x (bf16 x16 with the AVX512-BF16
+ * tiles, else fp32 xf): y [n, N]. Its own target: the BF16DOT tiles inline here. */
+static BF16DOT void quad16(const uint16_t *x16, int n, int K, const uint16_t *w, int n0, int wr,
+                           uint16_t *y, int N) {
+    rows16(x16, n, K, w, n0, wr, NULL, y, N);
+}
+
 static inline float silu_bf(float g) { return bf16_to_f32(f32_to_bf16(g / (1.0f + expf(-g)))); }
 static inline float rnd(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* x [T, H] bf16, ids [T, k] int32 global, tw [T, k] fp32, w13 [E, 2I, H], w2 [E, H, I] bf16
- * (this rank's experts e_min .. e_min+E-1), out [T, H] bf16. Returns 0, or -1 (no memory). */
+ * (this rank's experts e_min .. e_min+E-1), out [T, H] bf16. Returns 0, or -1 (no memory).
+ * One parallel region, the touched experts GROUP at a time in phases (four barriers per expert
+ * cost more than the products at batch 1; all experts at once left the routes' buffers in L3 at
+ * batch 32): gate/up of every (expert, weight quad), silu x up of every route, down of every
+ * (expert, weight quad), then the routes' adds in ascending expert order per output column. A product's bits do not depend on the tile or the
+ * thread that computes it, so the result is the loop's whatever the thread count. */
+enum { GROUP = 8 }; /* touched experts per phase: batch 1's 8 in one */
+
 CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int32_t *ids,
                         const float *tw, int e_min, int E, const uint16_t *w13, const uint16_t *w2,
                         uint16_t *out, int nthreads) {
-    int R = T * k;
+    const int R = T * k, bd = bf16dot(); /* bd: the AVX512-BF16 tiles, on bf16 x and act */
     int *tok = malloc(sizeof(int) * (R + 1)), *slot = malloc(sizeof(int) * (R + 1));
-    int *first = malloc(sizeof(int) * (E + 1));
-    float *xf = malloc(sizeof(float) * ((size_t)T * H + 1)),
-          *act = malloc(sizeof(float) * ((size_t)T * I + 1)),
+    int *first = malloc(sizeof(int) * (E + 1)), *fill = malloc(sizeof(int) * (E + 1));
+    int *touched = malloc(sizeof(int) * (E + 1));
+    float *xf = bd ? NULL : malloc(sizeof(float) * ((size_t)R * H + 1)),
+          *act = bd ? NULL : malloc(sizeof(float) * ((size_t)R * I + 1)),
           *acc = malloc(sizeof(float) * ((size_t)T * H + 1));
-    uint16_t *g16 = malloc(sizeof(uint16_t) * ((size_t)T * 2 * I + 1)),
-             *y16 = malloc(sizeof(uint16_t) * ((size_t)T * H + 1));
+    uint16_t *x16 = bd ? malloc(sizeof(uint16_t) * ((size_t)R * H + 1)) : NULL,
+             *a16 = bd ? malloc(sizeof(uint16_t) * ((size_t)R * I + 1)) : NULL,
+             *g16 = malloc(sizeof(uint16_t) * ((size_t)R * 2 * I + 1)),
+             *y16 = malloc(sizeof(uint16_t) * ((size_t)R * H + 1));
     int rc = -1;
-    if (!tok || !slot || !first || !xf || !act || !acc || !g16 || !y16) goto done;
+    if (!tok || !slot || !first || !fill || !touched || !acc || !g16 || !y16 ||
+        (bd ? !x16 || !a16 : !xf || !act))
+        goto done;
     /* routes grouped by local expert, ascending (counting sort: tokens keep their order) */
     memset(first, 0, sizeof(int) * (E + 1));
     for (int r = 0; r < R; r++) {
         int e = ids[r] - e_min;
         if (e >= 0 && e < E) first[e + 1]++;
     }
-    for (int e = 0; e < E; e++) first[e + 1] += first[e];
-    {
-        int *fill = malloc(sizeof(int) * (E + 1));
-        if (!fill) goto done;
-        memcpy(fill, first, sizeof(int) * (E + 1));
-        for (int r = 0; r < R; r++) {
-            int e = ids[r] - e_min;
-            if (e >= 0 && e < E) {
-                tok[fill[e]] = r / k;
-                slot[fill[e]++] = r % k;
-            }
-        }
-        free(fill);
+    int nt_e = 0;
+    for (int e = 0; e < E; e++) {
+        if (first[e + 1]) touched[nt_e++] = e;
+        first[e + 1] += first[e];
     }
+    memcpy(fill, first, sizeof(int) * (E + 1));
+    for (int r = 0; r < R; r++) {
+        int e = ids[r] - e_min;
+        if (e >= 0 && e < E) {
+            tok[fill[e]] = r / k;
+            slot[fill[e]++] = r % k;
+        }
+    }
+    const int q13 = (2 * I + 3) / 4, q2 = (H + 3) / 4;
     for (int64_t i = 0; i < (int64_t)T * H; i++) acc[i] = 0.0f; /* torch.zeros_like(x) */
     int nt = nthreads > 1 ? nthreads : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
-    for (int e = 0; e < E; e++) {
-        int a = first[e], n = first[e + 1] - a;
-        if (n == 0) continue; /* the same on every thread: no barrier skipped by some */
-#pragma omp single
-        for (int j = 0; j < n; j++)
-            for (int h = 0; h < H; h++) xf[(int64_t)j * H + h] = bf16_to_f32(x[(int64_t)tok[a + j] * H + h]);
-        const uint16_t *we = w13 + (int64_t)e * 2 * I * H;
+    for (int g0 = 0; g0 < nt_e; g0 += GROUP) { /* the same on every thread */
+        const int ng = nt_e - g0 < GROUP ? nt_e - g0 : GROUP, *te = touched + g0;
+        const int base = first[te[0]], Rl = first[te[ng - 1] + 1] - base; /* the group's routes */
+        /* each route's x row, in route order (an expert's rows are then contiguous) */
 #pragma omp for schedule(static)
-        for (int q = 0; q < (2 * I + 3) / 4; q++) {
-            int n0 = 4 * q, wr = 2 * I - n0 < 4 ? 2 * I - n0 : 4;
-            rows(xf, n, H, we, n0, wr, NULL, g16, 2 * I);
+        for (int j = 0; j < Rl; j++) {
+            const uint16_t *xr = x + (int64_t)tok[base + j] * H;
+            if (bd)
+                memcpy(x16 + (int64_t)j * H, xr, sizeof(uint16_t) * H);
+            else
+                for (int h = 0; h < H; h++) xf[(int64_t)j * H + h] = bf16_to_f32(xr[h]);
         }
-#pragma omp single
-        for (int j = 0; j < n; j++)
+#pragma omp for schedule(static)
+        for (int it = 0; it < ng * q13; it++) { /* gate and up: g16 [route, 2I] */
+            const int e = te[it / q13], a = first[e] - base, n = first[e + 1] - first[e];
+            const int n0 = 4 * (it % q13), wr = 2 * I - n0 < 4 ? 2 * I - n0 : 4;
+            const uint16_t *we = w13 + (int64_t)e * 2 * I * H;
+            if (bd)
+                quad16(x16 + (int64_t)a * H, n, H, we, n0, wr, g16 + (int64_t)a * 2 * I, 2 * I);
+            else
+                rows(xf + (int64_t)a * H, n, H, we, n0, wr, NULL, g16 + (int64_t)a * 2 * I, 2 * I);
+        }
+#pragma omp for schedule(static)
+        for (int j = 0; j < Rl; j++) /* act = silu(gate) * up, rounded as torch rounds */
             for (int i = 0; i < I; i++) {
                 float g = bf16_to_f32(g16[(int64_t)j * 2 * I + i]);
                 float u = bf16_to_f32(g16[(int64_t)j * 2 * I + I + i]);
-                act[(int64_t)j * I + i] = rnd(silu_bf(g) * u);
+                float v = rnd(silu_bf(g) * u);
+                if (bd)
+                    a16[(int64_t)j * I + i] = f32_to_bf16(v);
+                else
+                    act[(int64_t)j * I + i] = v;
             }
-        const uint16_t *wd = w2 + (int64_t)e * H * I;
 #pragma omp for schedule(static)
-        for (int q = 0; q < (H + 3) / 4; q++) {
-            int n0 = 4 * q, wr = H - n0 < 4 ? H - n0 : 4;
-            rows(act, n, I, wd, n0, wr, NULL, y16, H);
+        for (int it = 0; it < ng * q2; it++) { /* down: y16 [route, H] */
+            const int e = te[it / q2], a = first[e] - base, n = first[e + 1] - first[e];
+            const int n0 = 4 * (it % q2), wr = H - n0 < 4 ? H - n0 : 4;
+            const uint16_t *wd = w2 + (int64_t)e * H * I;
+            if (bd)
+                quad16(a16 + (int64_t)a * I, n, I, wd, n0, wr, y16 + (int64_t)a * H, H);
+            else
+                rows(act + (int64_t)a * I, n, I, wd, n0, wr, NULL, y16 + (int64_t)a * H, H);
         }
-#pragma omp single
-        for (int j = 0; j < n; j++) {
-            float wt = rnd(tw[(int64_t)tok[a + j] * k + slot[a + j]]);
-            float *o = acc + (int64_t)tok[a + j] * H;
-            for (int h = 0; h < H; h++) o[h] = rnd(o[h] + rnd(bf16_to_f32(y16[(int64_t)j * H + h]) * wt));
-        }
+        /* out[t] += rnd(y * w) route by route, experts ascending (the loop's order), in
+         * column blocks over threads */
+#pragma omp for schedule(static)
+        for (int h0 = 0; h0 < H; h0 += 64)
+            for (int j = 0; j < Rl; j++) {
+                float wt = rnd(tw[(int64_t)tok[base + j] * k + slot[base + j]]);
+                float *o = acc + (int64_t)tok[base + j] * H;
+                const uint16_t *y = y16 + (int64_t)j * H;
+                for (int h = h0; h < H && h < h0 + 64; h++) o[h] = rnd(o[h] + rnd(bf16_to_f32(y[h]) * wt));
+            }
     }
     for (int64_t i = 0; i < (int64_t)T * H; i++) out[i] = f32_to_bf16(acc[i]);
     rc = 0;
 done:
-    free(tok), free(slot), free(first), free(xf), free(act), free(acc), free(g16), free(y16);
+    free(tok), free(slot), free(first), free(fill), free(touched), free(xf), free(act), free(acc);
+    free(x16), free(a16), free(g16), free(y16);
     return rc;
 }
