@@ -234,3 +234,20 @@ def test_measure_prefill_times_a_prompt_to_its_first_token(default_model):
 
     prompt = list(range(3, 200))
     assert 0 < measure_prefill(default_model, prompt, repeats=2) < 60
+
+
+def test_best_of_keeps_each_sides_faster_round_per_row():
+    from dist_glm5.bench.peers import best_of
+
+    a = {
+        "ours": {"mxfp4": {"decode_tok_s": 100.0, "batched": {8: 300.0, 32: 500.0}}},
+        "llama": {"bf16": {"bench": [{"tok_s": 90.0, "depth": 128}], "batched": [{"s_tg": 200.0}]}},
+    }
+    b = {
+        "ours": {"mxfp4": {"decode_tok_s": 120.0, "batched": {8: 280.0, 32: 520.0}}},
+        "llama": {"bf16": {"bench": [{"tok_s": 80.0, "depth": 128}], "batched": [{"s_tg": 210.0}]}},
+    }
+    m = best_of(a, b)
+    assert m["ours"]["mxfp4"] == {"decode_tok_s": 120.0, "batched": {8: 300.0, 32: 520.0}}
+    assert m["llama"]["bf16"]["bench"] == [{"tok_s": 90.0, "depth": 128}]
+    assert m["llama"]["bf16"]["batched"] == [{"s_tg": 210.0}]
