@@ -169,7 +169,8 @@ enum { PF_BYTES = 8192 }; /* 2, 8, 16 and 32 KiB measured alike */
 INLINE void prefetch_ahead(const uint8_t *w, const uint8_t *s, int K, int ld, int NR, int b) {
     if (K == ld) {
         const size_t span = (size_t)NR * (K / 2), d = span > PF_BYTES ? span : PF_BYTES;
-        _mm_prefetch((const char *)(w + d + (size_t)NR * 16 * b), _MM_HINT_T0);
+        for (int o = 0; o < NR * 16; o += 64) /* the NR rows' bytes of a block: NR * 16 */
+            _mm_prefetch((const char *)(w + d + (size_t)NR * 16 * b + o), _MM_HINT_T0);
         _mm_prefetch((const char *)(s + d / 16 + (size_t)NR * b), _MM_HINT_T0);
     } else {
         const size_t r = NR + b % NR, line = 64 * (b / NR);
@@ -324,13 +325,13 @@ INLINE AVX512BF16 __m512i block_bf16(const uint8_t *w, uint8_t s) {
 INLINE AVX512BF16 void bf16_block(const uint8_t *w, const uint8_t *s, size_t wb, size_t sb,
                                   int b, const int NR, const int NT, const int NA, const int u,
                                   const uint16_t *const *xs, __m512 *acc) {
-    __m512i wv[4];
-#pragma GCC unroll 4
+    __m512i wv[8];
+#pragma GCC unroll 8
     for (int r = 0; r < NR; r++) wv[r] = block_bf16(w + r * wb + 16 * b, s[r * sb + b]);
 #pragma GCC unroll 8
     for (int t = 0; t < NT; t++) {
         const __m512i xv = _mm512_loadu_si512(xs[t] + 32 * b);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < NR; r++) {
             __m512 *a = acc + (r * NT + t) * NA + u;
             *a = _mm512_dpbf16_ps(*a, (__m512bh)wv[r], (__m512bh)xv);
@@ -354,7 +355,7 @@ INLINE AVX512BF16 void rows_dot_bf16(const uint8_t *w, const uint8_t *s, int K, 
             bf16_block(w, s, wb, sb, b + u, NR, NT, NA, u, xs, acc);
         }
     for (; b < nb; b++) bf16_block(w, s, wb, sb, b, NR, NT, NA, 0, xs, acc);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < NR; r++)
 #pragma GCC unroll 8
         for (int t = 0; t < NT; t++) {
@@ -384,7 +385,7 @@ ROWS(avx512, 1, 1, 2) ROWS(avx512, 4, 1, 2) ROWS(avx512, 1, 2, 2) ROWS(avx512, 4
 ROWS(avx512, 1, 3, 1) ROWS(avx512, 4, 3, 1) ROWS(avx512, 1, 4, 1) ROWS(avx512, 4, 4, 1)
 ROWS(avx512, 1, 5, 1) ROWS(avx512, 2, 5, 1) ROWS(avx512, 1, 6, 1) ROWS(avx512, 2, 6, 1)
 ROWS(avx512, 1, 7, 1) ROWS(avx512, 2, 7, 1) ROWS(avx512, 1, 8, 1) ROWS(avx512, 2, 8, 1)
-ROWS(bf16, 1, 1, 4) ROWS(bf16, 4, 1, 2) ROWS(bf16, 1, 2, 2) ROWS(bf16, 4, 2, 2)
+ROWS(bf16, 1, 1, 4) ROWS(bf16, 8, 1, 2) ROWS(bf16, 1, 2, 2) ROWS(bf16, 4, 2, 2)
 ROWS(bf16, 1, 3, 2) ROWS(bf16, 4, 3, 1) ROWS(bf16, 1, 4, 2) ROWS(bf16, 4, 4, 1)
 
 /* [isa][nt] -> the multi-row kernel and its row count; ONE_ROW for the remainder rows. */
@@ -394,9 +395,9 @@ static const rows_fn MULTI[NISA][MAX_GROUP + 1] = {
      rows_avx2_1_7, rows_avx2_1_8},
     {0, rows_avx512_4_1, rows_avx512_4_2, rows_avx512_4_3, rows_avx512_4_4, rows_avx512_2_5,
      rows_avx512_2_6, rows_avx512_2_7, rows_avx512_2_8},
-    {0, rows_bf16_4_1, rows_bf16_4_2, rows_bf16_4_3, rows_bf16_4_4}};
+    {0, rows_bf16_8_1, rows_bf16_4_2, rows_bf16_4_3, rows_bf16_4_4}};
 static const int MULTI_NR[NISA][MAX_GROUP + 1] = {
-    {0}, {0, 2, 2, 1, 1, 1, 1, 1, 1}, {0, 4, 4, 4, 4, 2, 2, 2, 2}, {0, 4, 4, 4, 4}};
+    {0}, {0, 2, 2, 1, 1, 1, 1, 1, 1}, {0, 4, 4, 4, 4, 2, 2, 2, 2}, {0, 8, 4, 4, 4}};
 static const rows_fn ONE_ROW[NISA][MAX_GROUP + 1] = {
     {0},
     {0, rows_avx2_1_1, rows_avx2_1_2, rows_avx2_1_3, rows_avx2_1_4, rows_avx2_1_5, rows_avx2_1_6,
@@ -456,7 +457,7 @@ static void decode_row_scalar(const uint8_t *w, const uint8_t *s, int K, float *
 static void rows_dot(const uint8_t *w, const uint8_t *s, int K, int r0, int r1, int n, int isa,
                      const void *const *xs, float *const *dst, const float *alpha) {
     enum { L1_FLOATS = 6144 }; /* 24 KiB of fp32 x per token group: half of a 48 KiB L1 */
-    float res[4 * MAX_GROUP];
+    float res[8 * MAX_GROUP];
     const void *xo[MAX_GROUP];
     const size_t xsize = isa == ISA_AVX512BF16 ? 2 : 4; /* bytes per x element */
     const int group = GROUP[isa], widest = n < group ? n : group;
