@@ -56,13 +56,15 @@ class Counting:
         return self.plan.head(*a)
 
 
-def _decode(stages, planned: bool, rows: int = 1, steps: int = 5, seed: int = 0, mtp=False):
-    """Prefill PROMPTS through `stages` (models run one after the other, selection passed on),
+def _decode(
+    stages, planned: bool, rows: int = 1, steps: int = 5, seed: int = 0, mtp=False, prompts=PROMPTS
+):
+    """Prefill prompts through `stages` (models run one after the other, selection passed on),
     then `steps` greedy steps of `rows` rows per sequence (rows 2: an MTP verify's shape) ->
     (logits per step, cache stores, steps the plans took)."""
     g = torch.Generator().manual_seed(seed)
     caches = [
-        m.new_cache(blocks_needed([n + rows * steps + 4 for n in PROMPTS], 64), 64) for m in stages
+        m.new_cache(blocks_needed([n + rows * steps + 4 for n in prompts], 64), 64) for m in stages
     ]
     for c in caches:  # unwritten rows compared too
         for store in (*c.kv.values(), *c.index_k.values()):
@@ -90,17 +92,17 @@ def _decode(stages, planned: bool, rows: int = 1, steps: int = 5, seed: int = 0,
 
     toks = []
     with torch.no_grad():
-        for i, n in enumerate(PROMPTS):
+        for i, n in enumerate(prompts):
             lo = run([Chunk(i, 0, n)], torch.randint(1, 250, (n,), generator=g))
             toks.append(int(lo[-1].argmax()))
-        pos = list(PROMPTS)
+        pos = list(prompts)
         out = []
         for _ in range(steps):
-            chunks = [Chunk(i, pos[i], rows) for i in range(len(PROMPTS))]
+            chunks = [Chunk(i, pos[i], rows) for i in range(len(prompts))]
             ids = torch.tensor([t for t in toks for _ in range(rows)])
             lo = run(chunks, ids, mtp)
             out.append(lo)
-            toks = lo[: len(ids)].view(len(PROMPTS), rows, -1)[:, -1].argmax(-1).tolist()
+            toks = lo[: len(ids)].view(len(prompts), rows, -1)[:, -1].argmax(-1).tolist()
             pos = [p + rows for p in pos]
     stores = [(c.kv, c.index_k) for c in caches]
     return (
@@ -165,6 +167,18 @@ def test_the_mtp_layer_planned_gives_the_modules_bits(mxfp4_dir):
     m = _model(mxfp4_dir)
     taken = _same(_decode([m], False, 2, mtp=True), _decode([m], True, 2, mtp=True))
     assert taken == [(5, 5)]  # the verify-shaped steps and their drafts
+
+
+@pytest.mark.parametrize("layers", [None, (range(0, 1), range(1, 4))])
+def test_contexts_within_index_topk_give_the_modules_bits(layers, mxfp4_dir):
+    """Every sequence within index_topk (64) keys: each full layer selects all of them, and the
+    plan selects once a step for all its layers (a second stage reuses the first's)."""
+    stages = (
+        [_model(mxfp4_dir)] if layers is None else [_model(mxfp4_dir, layers=r) for r in layers]
+    )
+    short = (30, 12, 50)  # + 5 steps of 2 rows: at most 60 keys
+    taken = _same(_decode(stages, False, 2, prompts=short), _decode(stages, True, 2, prompts=short))
+    assert taken == [5] * len(stages)
 
 
 def test_a_second_stage_starting_with_a_shared_layer(mxfp4_dir):
