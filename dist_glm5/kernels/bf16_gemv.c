@@ -40,8 +40,8 @@ CLONES int bf16_gemv(const uint16_t *x, int m, int K, const uint16_t *w, int N, 
  * Python: about ten eager ops per expert, 8 experts per layer, which at batch 1 cost more than
  * reading the experts' weights. */
 
-/* Weight rows [n0, n0 + wr) of w [N, K] against the n rows of x (bf16 x16 with the AVX512-BF16
- * tiles, else fp32 xf): y [n, N]. Its own target: the BF16DOT tiles inline here. */
+/* Weight rows [n0, n0 + wr) of w [N, K] against the n bf16 rows x16 with the AVX512-BF16 tiles:
+ * y [n, N]. A function with their target, so that they inline here. */
 static BF16DOT void quad16(const uint16_t *x16, int n, int K, const uint16_t *w, int n0, int wr,
                            uint16_t *y, int N) {
     rows16(x16, n, K, w, n0, wr, NULL, y, N);
@@ -55,8 +55,9 @@ static inline float rnd(float f) { return bf16_to_f32(f32_to_bf16(f)); }
  * One parallel region, the touched experts GROUP at a time in phases (four barriers per expert
  * cost more than the products at batch 1; all experts at once left the routes' buffers in L3 at
  * batch 32): gate/up of every (expert, weight quad), silu x up of every route, down of every
- * (expert, weight quad), then the routes' adds in ascending expert order per output column. A product's bits do not depend on the tile or the
- * thread that computes it, so the result is the loop's whatever the thread count. */
+ * (expert, weight quad), then the routes' adds in ascending expert order per output column. A
+ * product's bits do not depend on the tile or the thread that computes it, so the result is the
+ * loop's whatever the thread count. */
 enum { GROUP = 8 }; /* touched experts per phase: batch 1's 8 in one */
 
 CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int32_t *ids,
