@@ -60,10 +60,11 @@ def register(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--unloop-at",
-        choices=("end", "long"),
+        choices=("end", "long", "end-long"),
         default="end",
-        help="where the unloop phase goes: before the indexers' phase (end) or before the long "
-        "sparse phases (long: they train long copying again after it)",
+        help="where the unloop phase goes: before the indexers' phase (end), before the long "
+        "sparse phases (long: they train long copying again after it), or at the end on the long "
+        "phases' 2,048-byte rows (end-long)",
     )
     p.add_argument(
         "--export-only",

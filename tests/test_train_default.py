@@ -476,3 +476,11 @@ def test_unloop_at_long_goes_before_the_long_phases():
     ]
     with pytest.raises(ValueError, match="unloop_at"):
         td.phases(0, 10, "middle")
+
+
+def test_unloop_at_end_long_trains_long_rows_beside_the_unlikelihood():
+    end, end_long = td.phases(0, 300, "end"), td.phases(0, 300, "end-long")
+    assert [p.end for p in end] == [p.end for p in end_long]  # the same place as "end"
+    ul = next(p for p in end_long if p.unlikelihood)
+    assert (ul.seq, ul.batch, ul.mix, ul.sparse) == (2048, 1, "long", True)
+    assert next(p for p in end if p.unlikelihood).mix == "base"

@@ -236,7 +236,10 @@ def phases(base_extra: int = 0, unloop_steps: int = 0, unloop_at: str = "end") -
     phase of that many steps (the unlikelihood loss on the model's own greedy loops, unloop.py)
     after the long sparse phases, before the indexers' and the draft's (they fit the final
     model). unloop_at "long": the unloop phase comes before the long sparse phases instead, so
-    that they train long copying again after it (p4v, unloop after them, lost 16K needles)."""
+    that they train long copying again after it (p4v, unloop after them, lost 16K needles; q1,
+    before them, kept 4K needles and lost what the phase did to greedy code). "end-long": after
+    them, as "end", with their rows (2,048 bytes of the long mix) beside the unlikelihood loss,
+    so that long copying trains while the loops are taken out."""
     base_end = next(ph.end for ph in PHASES if ph.mix == "base")
     plan = [
         ph if ph.end < base_end else dataclasses.replace(ph, end=ph.end + base_extra)
@@ -244,18 +247,22 @@ def phases(base_extra: int = 0, unloop_steps: int = 0, unloop_at: str = "end") -
     ]
     if not unloop_steps:
         return plan
-    if unloop_at not in ("end", "long"):
-        raise ValueError(f"unloop_at {unloop_at!r}: use 'end' or 'long'")
+    if unloop_at not in UNLOOP_AT:
+        raise ValueError(f"unloop_at {unloop_at!r}: use one of {', '.join(UNLOOP_AT)}")
     # the phase the unloop phase goes before: the indexers' (end) or the first long one
     before = (
-        (lambda ph: ph.train == "indexers") if unloop_at == "end" else (lambda ph: ph.mix == "long")
+        (lambda ph: ph.mix == "long")
+        if unloop_at == "long"
+        else (lambda ph: ph.train == "indexers")
     )
     at = next(i for i, ph in enumerate(plan) if before(ph))
-    ul = Phase(plan[at - 1].end + unloop_steps, 512, 4, True, "base", unlikelihood=UNLOOP_WEIGHT)
+    seq, batch, mix = (2048, 1, "long") if unloop_at == "end-long" else (512, 4, "base")
+    ul = Phase(plan[at - 1].end + unloop_steps, seq, batch, True, mix, unlikelihood=UNLOOP_WEIGHT)
     later = [dataclasses.replace(ph, end=ph.end + unloop_steps) for ph in plan[at:]]
     return plan[:at] + [ul] + later
 
 
+UNLOOP_AT = ("end", "long", "end-long")  # where the unloop phase goes (phases)
 DRAFT_LR = 5e-4  # the draft layer's constant rate in the "draft" phase
 UNLOOP_LR = 2e-4  # the model's constant rate in the "unloop" phase: the cosine's floor
 UNLOOP_WEIGHT = 1.0  # Welleck et al.'s alpha
