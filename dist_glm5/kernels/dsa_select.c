@@ -482,14 +482,16 @@ int dsa_select(const float *q, const float *w, const float *qs, int n, int H, in
     int scored = 0;
     for (int r = 0; r < n && !scored; r++) scored = (q_pos[r] + 1 < L ? q_pos[r] + 1 : L) > k;
     const int64_t ldm = (L + 63) / 64;
-    /* the scan's block maxima: on the 64-key grid only when the cache's blocks tile it */
-    float *bmax = scored && bs % 64 == 0
-                      ? (float *)scratch(SCR_BMAX, sizeof(float) * (size_t)(n * ldm + 1))
-                      : NULL;
-    if (scored && bs % 64 == 0 && !bmax) return -2;
-    if (scored && scan(q, w, qs, n, H, D, store, kind, table, bs, L, scores, bmax, nthreads)) {
-        scratch_trim(SCR_BMAX);
-        return -2;
+    float *bmax = NULL;
+    if (scored) {
+        /* the scan's block maxima: on the 64-key grid only when the cache's blocks tile it */
+        if (bs % 64 == 0 &&
+            !(bmax = (float *)scratch(SCR_BMAX, sizeof(float) * (size_t)(n * ldm + 1))))
+            return -2;
+        if (scan(q, w, qs, n, H, D, store, kind, table, bs, L, scores, bmax, nthreads)) {
+            scratch_trim(SCR_BMAX);
+            return -2;
+        }
     }
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (n > 1 && nthreads > 1) reduction(| : failed)

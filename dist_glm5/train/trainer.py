@@ -249,13 +249,12 @@ def phases(base_extra: int = 0, unloop_steps: int = 0, unloop_at: str = "end") -
         return plan
     if unloop_at not in UNLOOP_AT:
         raise ValueError(f"unloop_at {unloop_at!r}: use one of {', '.join(UNLOOP_AT)}")
-    # the phase the unloop phase goes before: the indexers' (end) or the first long one
-    before = (
-        (lambda ph: ph.mix == "long")
-        if unloop_at == "long"
-        else (lambda ph: ph.train == "indexers")
+    # the phase the unloop phase goes before: the first long one ("long"), else the indexers'
+    at = next(
+        i
+        for i, ph in enumerate(plan)
+        if (ph.mix == "long" if unloop_at == "long" else ph.train == "indexers")
     )
-    at = next(i for i, ph in enumerate(plan) if before(ph))
     seq, batch, mix = (2048, 1, "long") if unloop_at == "end-long" else (512, 4, "base")
     ul = Phase(plan[at - 1].end + unloop_steps, seq, batch, True, mix, unlikelihood=UNLOOP_WEIGHT)
     later = [dataclasses.replace(ph, end=ph.end + unloop_steps) for ph in plan[at:]]
