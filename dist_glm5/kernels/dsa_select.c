@@ -37,9 +37,12 @@
 
 /* The store's kinds: fp32 or bf16 rows of D values, or int8 rows (quant/index_q8.py: D int8
  * values, then the key's fp32 scale). With int8 keys the queries come quantised the same way: q
- * holds their int8 values as floats and qs [n, H] their scales, and a key's score is
- * sum_h w[h] * relu((idot[h] * qs[h]) * ks) with idot the exact integer dot (exact in fp32 too:
- * |idot| <= 256 * 127^2 < 2^24). */
+ * holds their int8 values as floats and qs [n, H] their scales. Both scales are positive, so they
+ * leave the relu: a key's score is
+ *   ks * (sum over even h of c[h] * relu(idot[h]) + sum over odd h of the same),  c = w * qs,
+ * with idot the exact integer dot (exact in fp32 too: |idot| <= 256 * 127^2 < 2^24), each
+ * parity's sum in head order. One multiply per head and key instead of three, and two chains
+ * of adds instead of one (ops/indexer.index_scores_q8 is the same formula in torch). */
 enum { KEYS_F32, KEYS_BF16, KEYS_Q8 };
 static inline int64_t key_bytes(int kind, int D) {
     return kind == KEYS_Q8 ? (int64_t)D + 4 : (int64_t)D * (kind == KEYS_BF16 ? 2 : 4);
@@ -84,8 +87,8 @@ typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
  * NH x NV accumulators, NV key vectors and NH broadcasts per d all fit the 16 vector registers
  * (a tile that does not fit makes the compiler re-read the keys as FMA memory operands and the
  * loop becomes load-bound). A macro, not a function: each target clone compiles it for its ISA.
- * Q8 (a constant): int8 keys, whose dots (exact integers in fp32) are first multiplied by the
- * query's and the keys' scales (qsr, ks). */
+ * Q8 (a constant): int8 keys, whose relu'd dots (exact integers in fp32) take c = w * qs into
+ * sq[parity of the head] (h is even here); the key scale comes after the sum. */
 #define HEADS(NH, NV, Q8)                                                                        \
     do {                                                                                         \
         v8 acc[NH][NV];                                                                          \
@@ -102,9 +105,8 @@ typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
         }                                                                                        \
         for (int i = 0; i < NH; i++) /* relu, then the head weights, in head order */            \
             for (int v = 0; v < NV; v++) {                                                       \
-                v8 f = acc[i][v];                                                                \
-                if (Q8) f = f * splat(qsr[h + i]) * *(const v8 *)(ks + jt + 8 * v);             \
-                sum[v] += splat(wr[h + i]) * relu(f);                                            \
+                if (Q8) sq[i & 1][v] += splat(cr[h + i]) * relu(acc[i][v]);                     \
+                else sum[v] += splat(wr[h + i]) * relu(acc[i][v]);                               \
             }                                                                                    \
     } while (0)
 
@@ -114,7 +116,7 @@ typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
  * against about the mm rate for this tile). Keys past the block's end are zero rows; only the
  * first m scores are stored, and (mx not NULL) their maximum, at mx[r * ldm]. The d-sum runs in
  * order, d = 0..D-1, for every key and head. */
-CLONES static void score_block(const float *q, const float *w, const float *qs, int n, int H,
+CLONES static void score_block(const float *q, const float *w, const float *c, int n, int H,
                                int D, const float *kbT, const float *ks, int m, float *out,
                                int64_t ld, float *mx, int64_t ldm) {
     const v8 zero = splat(0.0f);
@@ -124,12 +126,16 @@ CLONES static void score_block(const float *q, const float *w, const float *qs, 
         for (int jt = 0; jt < 64; jt += 32) {
             v8 sum[4] = {zero, zero, zero, zero};
             int h = 0;
-            if (ks) { /* int8 keys (qs, ks: the scales) */
-                const float *qsr = qs + (int64_t)r * H;
+            if (ks) { /* int8 keys (c = w * qs, ks: the key scales) */
+                const float *cr = c + (int64_t)r * H;
+                v8 sq[2][4] = {{zero, zero, zero, zero}, {zero, zero, zero, zero}};
                 for (; h + 2 <= H; h += 2) HEADS(2, 4, 1);
                 if (h < H) HEADS(1, 4, 1);
+                for (int v = 0; v < 4; v++)
+                    sum[v] = (sq[0][v] + sq[1][v]) * *(const v8 *)(ks + jt + 8 * v);
             } else {
-                const float *qsr = NULL; /* unread */
+                const float *cr = NULL; /* unread */
+                v8 sq[2][4];
                 for (; h + 2 <= H; h += 2) HEADS(2, 4, 0);
                 if (h < H) HEADS(1, 4, 0); /* an odd head count's last head */
             }
@@ -249,59 +255,83 @@ VNNI static void transpose16(const uint8_t *rows, int64_t stride, int nk, int g,
     }
 }
 
-/* NH heads of row r (h on) against the 16 transposed keys kt, added into sum in head order. A
- * macro with a constant NH, so that the accumulators live in registers. */
+/* acc += the 16 lanes' u8 x s8 dots of k with the 4 query bytes at p, broadcast from memory
+ * ({1to16}). gcc's intrinsic form loads each broadcast into a register and copies the
+ * accumulators around it: twice the instructions, and the loop ran at half the VNNI rate. */
+#define DPBUSD_BCST(acc, k, p)                                                                   \
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(k), "m"(*(const int32_t *)(p)))
+
+/* NH heads of row r, from head h (even) on, against the 16 transposed keys kt, into s0 (even
+ * heads) and s1 (odd). A macro with a constant NH, so that the accumulators live in registers.
+ * Each accumulator starts at -128 * sum(q) (the u8 bias's share), so after the G dwords it
+ * holds the exact integer dot. */
 #define VNNI_HEADS(NH)                                                                           \
     do {                                                                                         \
+        const int64_t rh = (int64_t)r * H + h;                                                   \
         __m512i acc[NH];                                                                         \
-        for (int i = 0; i < NH; i++) acc[i] = _mm512_setzero_si512();                            \
-        const int32_t *qh = q4 + ((int64_t)r * H + h) * G;                                       \
+        for (int i = 0; i < NH; i++) acc[i] = _mm512_set1_epi32(-qcorr[rh + i]);                 \
+        const int32_t *qh = q4 + rh * G;                                                         \
         for (int g = 0; g < G; g++)                                                              \
-            for (int i = 0; i < NH; i++)                                                         \
-                acc[i] = _mm512_dpbusd_epi32(acc[i], kt[g], _mm512_set1_epi32(qh[i * G + g]));   \
-        for (int i = 0; i < NH; i++) {                                                           \
-            const int64_t rh = (int64_t)r * H + h + i;                                           \
-            const __m512i dot = _mm512_sub_epi32(acc[i], _mm512_set1_epi32(qcorr[rh]));          \
-            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qs[rh]));           \
-            f = _mm512_max_ps(_mm512_mul_ps(f, ks), zero); /* relu: +0 for f <= 0 */             \
-            sum = _mm512_fmadd_ps(_mm512_set1_ps(w[rh]), f, sum);                                \
+            for (int i = 0; i < NH; i++) DPBUSD_BCST(acc[i], kt[g], qh + i * G + g);             \
+        for (int i = 0; i < NH; i++) { /* relu on the integers (+0 for <= 0), then c[h] */       \
+            const __m512 f = _mm512_cvtepi32_ps(_mm512_max_epi32(acc[i], zi));                   \
+            if (i & 1) s1 = _mm512_fmadd_ps(_mm512_set1_ps(c[rh + i]), f, s1);                   \
+            else s0 = _mm512_fmadd_ps(_mm512_set1_ps(c[rh + i]), f, s0);                         \
         }                                                                                        \
     } while (0)
 
-/* score_block for int8 keys: rows 0..n-1 (q4: each (row, head)'s query as D / 4 dwords of int8,
- * qcorr: 128 * the sum of its bytes) against the m <= 64 keys from `rows` on (stride D + 4). */
-VNNI static void score_block_vnni(const int32_t *q4, const int32_t *qcorr, const float *qs,
-                                  const float *w, int n, int H, int D, const uint8_t *rows, int m,
-                                  float *out, int64_t ld, float *mx, int64_t ldm) {
+/* score_block for int8 keys: rows 0..n-1 (q4: each (row, head)'s query as G = D / 4 dwords of
+ * int8, qcorr: 128 * the sum of its bytes, c = w * qs) against the m <= 64 keys from `rows` on
+ * (stride D + 4). Each 16 keys are transposed once for all rows. Inlined with G a constant for
+ * the common widths (score_block_vnni): the dword loop then unrolls and the transposed keys stay
+ * in registers; with G at run time the loop's setup cost as much as its 8 dots at D = 32. */
+VNNI static inline __attribute__((always_inline)) void
+vnni_block(const int32_t *q4, const int32_t *qcorr, const float *c, int n, int H, const int G,
+           const uint8_t *rows, int m, float *out, int64_t ld, float *mx, int64_t ldm) {
+    const int D = 4 * G;
     const int64_t stride = (int64_t)D + 4;
-    const int G = D / 4;
-    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    const __m512i bias = _mm512_set1_epi8((char)0x80), zi = _mm512_setzero_si512();
     const __m512 zero = _mm512_setzero_ps();
-    __m512i kt[64]; /* D <= 256 */
-    if (mx)
-        for (int r = 0; r < n; r++) mx[(int64_t)r * ldm] = -INFINITY;
+    const __m512i at = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)stride));
+    __m512i kt[(G + 15) / 16 * 16]; /* a constant size (transpose16 fills 16): kept in registers */
     for (int j0 = 0; j0 < m; j0 += 16) {
         const int nk = m - j0 < 16 ? m - j0 : 16;
         const uint8_t *kr = rows + j0 * stride;
         for (int g = 0; g < G; g += 16) transpose16(kr, stride, nk, g, G - g < 16 ? G - g : 16, kt + g);
         for (int g = 0; g < G; g++) kt[g] = _mm512_xor_si512(kt[g], bias);
         const __mmask16 km = (__mmask16)((1u << nk) - 1);
-        const __m512i at = _mm512_mullo_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-            _mm512_set1_epi32((int)stride));
         const __m512 ks = _mm512_mask_i32gather_ps(zero, km, at, kr + D, 1); /* the scales */
         for (int r = 0; r < n; r++) {
-            __m512 sum = zero;
+            __m512 s0 = zero, s1 = zero;
             int h = 0;
             for (; h + 8 <= H; h += 8) VNNI_HEADS(8); /* 8 chains keep both VNNI pipes fed */
-            for (; h + 4 <= H; h += 4) VNNI_HEADS(4);
-            for (; h < H; h++) VNNI_HEADS(1);
-            _mm512_mask_storeu_ps(out + (int64_t)r * ld + j0, km, sum);
-            if (mx) {
-                const float v = _mm512_mask_reduce_max_ps(km, sum);
-                if (v > mx[(int64_t)r * ldm]) mx[(int64_t)r * ldm] = v;
-            }
+            for (; h + 2 <= H; h += 2) VNNI_HEADS(2);
+            if (h < H) VNNI_HEADS(1);
+            _mm512_mask_storeu_ps(out + (int64_t)r * ld + j0, km,
+                                  _mm512_mul_ps(_mm512_add_ps(s0, s1), ks));
         }
+    }
+    if (mx) /* the chunk's maximum per row, from its stored scores */
+        for (int r = 0; r < n; r++) {
+            __m512 v = _mm512_set1_ps(-INFINITY);
+            for (int j0 = 0; j0 < m; j0 += 16) {
+                const __mmask16 km = (__mmask16)((1u << (m - j0 < 16 ? m - j0 : 16)) - 1);
+                v = _mm512_mask_max_ps(v, km, v, _mm512_maskz_loadu_ps(km, out + (int64_t)r * ld + j0));
+            }
+            mx[(int64_t)r * ldm] = _mm512_reduce_max_ps(v);
+        }
+}
+
+VNNI static void score_block_vnni(const int32_t *q4, const int32_t *qcorr, const float *c, int n,
+                                  int H, int D, const uint8_t *rows, int m, float *out,
+                                  int64_t ld, float *mx, int64_t ldm) {
+    switch (D) { /* the embedded and bench models' widths, and GLM-5's */
+    case 32: vnni_block(q4, qcorr, c, n, H, 8, rows, m, out, ld, mx, ldm); break;
+    case 64: vnni_block(q4, qcorr, c, n, H, 16, rows, m, out, ld, mx, ldm); break;
+    case 128: vnni_block(q4, qcorr, c, n, H, 32, rows, m, out, ld, mx, ldm); break;
+    default: vnni_block(q4, qcorr, c, n, H, D / 4, rows, m, out, ld, mx, ldm);
     }
 }
 
@@ -338,11 +368,16 @@ static int scan(const float *q, const float *w, const float *qs, int n, int H, i
     const int vnni = kind == KEYS_Q8 && dsa_select_q8_vnni(D);
     int8_t *q8 = NULL;
     int32_t *qcorr = NULL;
+    float *c = NULL; /* int8 keys: c = w * qs, the scales folded into the head weights */
+    if (kind == KEYS_Q8) {
+        if (!(c = malloc(sizeof(float) * ((size_t)n * H + 1)))) return -2;
+        for (int64_t rh = 0; rh < (int64_t)n * H; rh++) c[rh] = w[rh] * qs[rh];
+    }
     if (vnni) {
         q8 = malloc((size_t)n * H * D + 1);
         qcorr = malloc(sizeof(int32_t) * ((size_t)n * H + 1));
         if (!q8 || !qcorr) {
-            free(q8), free(qcorr);
+            free(q8), free(qcorr), free(c);
             return -2;
         }
         for (int64_t rh = 0; rh < (int64_t)n * H; rh++) {
@@ -372,18 +407,18 @@ static int scan(const float *q, const float *w, const float *qs, int n, int H, i
                 }
                 float *mx = bmax ? bmax + j0 / 64 : NULL;
                 if (vnni) {
-                    score_block_vnni((const int32_t *)q8, qcorr, qs, w, n, H, D,
+                    score_block_vnni((const int32_t *)q8, qcorr, c, n, H, D,
                                      (const uint8_t *)store + row0 * kb, m, scores + j0, L, mx,
                                      ldm);
                     continue;
                 }
                 load_keys(store, kind, row0, m, D, kbT, ks);
-                score_block(q, w, qs, n, H, D, kbT, kind == KEYS_Q8 ? ks : NULL, m, scores + j0,
+                score_block(q, w, c, n, H, D, kbT, kind == KEYS_Q8 ? ks : NULL, m, scores + j0,
                             L, mx, ldm);
             }
         }
     }
-    free(q8), free(qcorr);
+    free(q8), free(qcorr), free(c);
     return 0;
 }
 

@@ -38,13 +38,14 @@ def index_scores(
 def index_scores_q8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, head_dim: int):
     # q: [n, Hi, D], w: [n, Hi] fp32, rows: [L, D + 4] int8 key rows (quant/index_q8.py) ->
     # scores [n, L] fp32. The queries are quantised per (row, head); the integer dots are exact
-    # in fp32 (|idot| <= D * 127^2 < 2^24 for D <= 1024), then scaled as the kernel does.
+    # in fp32 (|idot| <= D * 127^2 < 2^24 for D <= 1024). Both scales are positive, so they leave
+    # the relu: the query's rides on the head weight, the key's on the sum (as the kernel does).
     n, Hi, D = q.shape
     k8, ks = index_q8.unpack(rows)
     q8, qs = index_q8.quantise(q)
-    idot = torch.matmul(q8.float().reshape(n * Hi, D), k8.float().T).view(n, Hi, -1)
-    s = (idot * qs[..., None] * ks).relu_()  # [n, Hi, L]
-    return torch.matmul((w * head_dim**-0.5).unsqueeze(-2), s).squeeze(-2)
+    idot = torch.matmul(q8.float().reshape(n * Hi, D), k8.float().T).view(n, Hi, -1).relu_()
+    c = (w.float() * head_dim**-0.5) * qs  # [n, Hi]
+    return torch.matmul(c.unsqueeze(-2), idot).squeeze(-2) * ks
 
 
 def select_topk_reference(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> torch.Tensor:

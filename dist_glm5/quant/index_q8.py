@@ -12,9 +12,10 @@ A cache row is D + 4 bytes: the D int8 values, then the scale's fp32 bytes (litt
 key and its scale are one row of one uint8 tensor and every gather of slots stays as it is.
 Queries are quantised the same way per (row, head) when they are scored; the score is then
 
-    score[t, s] = sum_h w[t, h] * D**-0.5 * relu((idot[t, h, s] * qs[t, h]) * ks[s])
+    score[t, s] = ks[s] * sum_h (w[t, h] * D**-0.5 * qs[t, h]) * relu(idot[t, h, s])
 
-with idot the exact integer dot product of q8 and k8. A selection from these scores differs
+with idot the exact integer dot product of q8 and k8 (the scales are positive, so they leave the
+relu: one multiply per head and key). A selection from these scores differs
 from the exact one only where scores come within the quantisation error of each other.
 """
 
