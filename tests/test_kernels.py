@@ -243,6 +243,30 @@ def test_bf16_input_and_loose_dtypes(isa):
     assert_close(got, oracle_moe(xt, ids, tw.half().float(), *w, 0, E - 1))
 
 
+def test_the_activation_is_silu_within_a_few_ulp(isa):
+    """silu(g) * u as the forward computes it (AVX-512: a vector exp in place of libm's expf)
+    against float64, over the whole range of g, and inf, nan, zeros and subnormals as
+    g / (1 + expf(-g)) * u gives them in fp32."""
+    g = torch.cat([
+        torch.linspace(-110, 110, 4000), torch.randn(2000) * 4,
+        torch.tensor([0.0, -0.0, 1e-40, -1e-40, 88.7, 88.8, 89.0, -88.7, -103.0, -104.5, 200.0,
+                      -200.0, float("inf"), float("-inf"), float("nan"), 1e30, -1e30]),
+    ])  # fmt: skip
+    g = torch.cat([g, torch.zeros(-len(g) % 32)])
+    u = torch.rand(len(g), generator=torch.Generator().manual_seed(3)) + 0.5
+    got = K.silu_mul(g, u).double()
+    gd, ud = g.double(), u.double()
+    want = gd / (1 + torch.exp(-gd)) * ud
+    fp32 = (g / (1 + torch.exp(-g)) * u).double()  # the special values, as fp32 gives them
+    finite = torch.isfinite(want) & (want.abs() > 1e-30)
+    ulp = want[finite].abs() * 2.0**-23
+    assert ((got[finite] - want[finite]).abs() <= 4 * ulp).all()
+    special = ~finite
+    assert torch.equal(got[special].isnan(), fp32[special].isnan())
+    a, b = got[special], fp32[special]
+    assert ((a == b) | ((a - b).abs() <= 1e-37) | b.isnan()).all()  # infs equal, tiny ones near
+
+
 def test_decode_matches_oracle_bit_for_bit(isa):
     g = torch.Generator().manual_seed(11)
     packed = torch.randint(0, 256, (7, 80), dtype=torch.uint8, generator=g)

@@ -65,6 +65,7 @@ def _signatures(lib: ctypes.CDLL) -> None:
     lib.mx_moe_forward.argtypes = [p, i, i, i, i, i, p, p, i, i, p, p, p, p, p, i, i, p]
     lib.mx_moe_forward.restype = i
     lib.mx_w13_rows.argtypes, lib.mx_w13_rows.restype = [p], None
+    lib.mx_silu_mul.argtypes, lib.mx_silu_mul.restype = [p, p, i, p], None
     cap = os.environ.get(ISA_ENV, "").strip().lower()
     if cap and cap not in ISA_NAMES:
         log.warning("%s=%r is none of %s: ignored", ISA_ENV, cap, ISA_NAMES)
@@ -97,6 +98,22 @@ def w13_rows() -> tuple[int, int]:
     out = (ctypes.c_int64 * 2)()
     lib.mx_w13_rows(out)
     return out[0], out[1]
+
+
+def silu_mul(g: Tensor, u: Tensor) -> Tensor:
+    """silu(g) * u [cols] fp32 (cols a multiple of 32) by the code path the forward computes its
+    activations with (AVX-512: a vector exp, not libm's expf). For tests."""
+    lib = _kernel.get()
+    if lib is None:
+        raise RuntimeError("the MXFP4 MoE kernel is not available")
+    g, u = g.float().contiguous(), u.float().contiguous()
+    if g.dim() != 1 or g.shape != u.shape or len(g) % 32:
+        raise ValueError(
+            f"g and u must be [cols] with cols a multiple of 32, got {g.shape}, {u.shape}"
+        )
+    out = torch.empty_like(g)
+    lib.mx_silu_mul(g.data_ptr(), u.data_ptr(), len(g), out.data_ptr())
+    return out
 
 
 def _check(
