@@ -47,8 +47,35 @@ static BF16DOT void quad16(const uint16_t *x16, int n, int K, const uint16_t *w,
     rows16(x16, n, K, w, n0, wr, NULL, y, N);
 }
 
-static inline float silu_bf(float g) { return bf16_to_f32(f32_to_bf16(g / (1.0f + expf(-g)))); }
 static inline float rnd(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* 8 lanes rounded to bf16 (nearest even, NaN stays NaN), as f32_to_bf16, and back to fp32 */
+static inline __attribute__((always_inline)) v8 rnd8(v8 f) {
+    v8u u;
+    memcpy(&u, &f, sizeof u);
+    const v8u nan = (u & 0x7fffffffu) > 0x7f800000u;
+    u = ((nan & (u | 0x400000u)) | (~nan & (u + 0x7fffu + ((u >> 16) & 1u)))) & 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* One route's act = rnd(rnd(silu(gate)) * up) over I values from its gate and up rows gu [2I]
+ * (bf16), as torch's bf16 ops round: into a16 (bf16) when not NULL, else act (fp32). 8 lanes
+ * at a time (common.h's vexp; libm's scalar expf cost more than the products around it). */
+CLONES static void silu_mul_bf16(const uint16_t *gu, int I, uint16_t *a16, float *act) {
+    for (int i = 0; i < I; i += 8) {
+        const int n = I - i < 8 ? I - i : 8;
+        uint16_t g8[8] = {0}, u8[8] = {0};
+        memcpy(g8, gu + i, sizeof(uint16_t) * n), memcpy(u8, gu + I + i, sizeof(uint16_t) * n);
+        const v8 v = rnd8(rnd8(vsilu(widen(g8))) * widen(u8));
+        float o[8];
+        memcpy(o, &v, sizeof o);
+        for (int l = 0; l < n; l++) {
+            if (a16) a16[i + l] = f32_to_bf16(o[l]); /* exact: o is a bf16 value */
+            else act[i + l] = o[l];
+        }
+    }
+}
 
 /* x [T, H] bf16, ids [T, k] int32 global, tw [T, k] fp32, w13 [E, 2I, H], w2 [E, H, I] bf16
  * (this rank's experts e_min .. e_min+E-1), out [T, H] bf16. Returns 0, or -1 (no memory).
@@ -125,15 +152,8 @@ CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int
         }
 #pragma omp for schedule(static)
         for (int j = 0; j < Rl; j++) /* act = silu(gate) * up, rounded as torch rounds */
-            for (int i = 0; i < I; i++) {
-                float g = bf16_to_f32(g16[(int64_t)j * 2 * I + i]);
-                float u = bf16_to_f32(g16[(int64_t)j * 2 * I + I + i]);
-                float v = rnd(silu_bf(g) * u);
-                if (bd)
-                    a16[(int64_t)j * I + i] = f32_to_bf16(v);
-                else
-                    act[(int64_t)j * I + i] = v;
-            }
+            silu_mul_bf16(g16 + (int64_t)j * 2 * I, I, bd ? a16 + (int64_t)j * I : NULL,
+                          act + (int64_t)j * I);
 #pragma omp for schedule(static)
         for (int it = 0; it < ng * q2; it++) { /* down: y16 [route, H] */
             const int e = te[it / q2], a = first[e] - base, n = first[e + 1] - first[e];

@@ -45,4 +45,45 @@ static inline __attribute__((always_inline)) v8 widen(const uint16_t *p) { /* 8 
     return f;
 }
 
+typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
+
+/* lanes of a where m is set, else of b (m: a comparison's all-ones / zero lanes; C has no vector ?:) */
+static inline __attribute__((always_inline)) v8 v8_select(v8i m, v8 a, v8 b) {
+    v8i ai, bi;
+    memcpy(&ai, &a, sizeof a), memcpy(&bi, &b, sizeof b);
+    ai = (ai & m) | (bi & ~m);
+    memcpy(&a, &ai, sizeof a);
+    return a;
+}
+
+#define V8(c) ((v8){(c), (c), (c), (c), (c), (c), (c), (c)})
+
+/* exp of 8 lanes as expf gives it, within 2 ulp: Cephes' expf (x = n ln2 + r, r in [-ln2/2, ln2/2]
+ * with ln2 in two parts, a degree-6 polynomial in r), then 2^n as two factors 2^(n/2), so that a
+ * result in the subnormal range rounds once. 0 below -104, inf above 88.8, NaN stays NaN. Where
+ * libm's scalar expf was, it cost more than the products around it (the experts' silu). */
+static inline __attribute__((always_inline)) v8 vexp(v8 x) {
+    x = v8_select(x < V8(-104.0f), V8(-104.0f), x); /* a NaN compares false: it goes through */
+    x = v8_select(x > V8(88.8f), V8(88.8f), x);
+    v8 n = x * V8(1.44269504088896341f) + V8(12582912.0f); /* round to the nearest integer */
+    n = n - V8(12582912.0f);
+    v8 r = x - n * V8(0.693359375f);
+    r = r - n * V8(-2.12194440e-4f);
+    v8 p = V8(1.9875691500e-4f);
+    p = p * r + V8(1.3981999507e-3f);
+    p = p * r + V8(8.3334519073e-3f);
+    p = p * r + V8(4.1665795894e-2f);
+    p = p * r + V8(1.6666665459e-1f);
+    p = p * r + V8(5.0000001201e-1f);
+    p = p * (r * r) + r + V8(1.0f);
+    const v8i ni = __builtin_convertvector(v8_select(n == n, n, V8(0.0f)), v8i); /* NaN: 0 */
+    const v8i n1 = ni >> 1, e1 = (n1 + 127) << 23, e2 = (ni - n1 + 127) << 23;
+    v8 f1, f2;
+    memcpy(&f1, &e1, sizeof f1), memcpy(&f2, &e2, sizeof f2);
+    return p * f1 * f2;
+}
+
+/* silu(g) = g / (1 + exp(-g)) on 8 lanes */
+static inline __attribute__((always_inline)) v8 vsilu(v8 g) { return g / (V8(1.0f) + vexp(-g)); }
+
 #endif

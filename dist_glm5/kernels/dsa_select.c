@@ -76,8 +76,6 @@ static void *scratch(int slot, size_t bytes) {
     return scr_ptr[slot];
 }
 
-typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
-
 /* macros, not functions: a function without the clone's target would not inline into it */
 #define splat(x) ((v8){(x), (x), (x), (x), (x), (x), (x), (x)})
 /* max(x, 0) with +0.0 for x <= 0, as `x > 0 ? x : 0` (C has no vector ?:) */

@@ -35,8 +35,6 @@
 
 enum { SEG = 64, KB = 8 }; /* selected keys per work item; keys scored together */
 
-typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
-
 /* element e of a bf16 (is_bf16) or fp32 array, as fp32 */
 static inline float at(const void *p, int64_t e, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[e]) : ((const float *)p)[e];
@@ -46,40 +44,7 @@ static inline float round_to(float f, int is_bf16) { return is_bf16 ? bf16_to_f3
 
 static inline __attribute__((always_inline)) v8 splat(float f) { return (v8){f, f, f, f, f, f, f, f}; }
 
-/* lanes of a where m is set, else of b (m: a comparison's all-ones / zero lanes) */
-static inline __attribute__((always_inline)) v8 vsel(v8i m, v8 a, v8 b) {
-    v8i ai, bi;
-    memcpy(&ai, &a, sizeof a), memcpy(&bi, &b, sizeof b);
-    ai = (ai & m) | (bi & ~m);
-    memcpy(&a, &ai, sizeof a);
-    return a;
-}
-
-static inline __attribute__((always_inline)) v8 vmax(v8 a, v8 b) { return vsel(a > b, a, b); }
-
-/* exp of 8 lanes (Cephes' expf: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], a degree-6
- * polynomial; within 2 ulp of expf). -inf -> 0; x below -87.3 flushes to 0. */
-static inline __attribute__((always_inline)) v8 vexp(v8 x) {
-    const v8 lo = splat(-87.3365447505531f), hi = splat(88.3762626647949f);
-    const v8i under = x < lo;
-    x = vsel(under, lo, x);
-    x = vsel(x > hi, hi, x);
-    v8 n = x * splat(1.44269504088896341f) + splat(12582912.0f); /* round to nearest */
-    n = n - splat(12582912.0f);
-    v8 r = x - n * splat(0.693359375f);
-    r = r - n * splat(-2.12194440e-4f);
-    v8 p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * (r * r) + r + splat(1.0f);
-    v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
-    v8 two_n;
-    memcpy(&two_n, &e, sizeof e);
-    return vsel(under, splat(0.0f), p * two_n);
-}
+static inline __attribute__((always_inline)) v8 vmax(v8 a, v8 b) { return v8_select(a > b, a, b); }
 
 /* Phase 1, row i head j: qT[e * H8 + j] = q_lat[e] (e < c), q_rot[e - c] (c <= e < c + r). */
 static inline __attribute__((always_inline)) void q_latent(
@@ -151,7 +116,7 @@ static inline __attribute__((always_inline)) void segment(
             if (ok[t0 + u]) m = vmax(m, *(const v8 *)(S + (int64_t)u * H8 + j8));
         v8 l = splat(0.0f);
         /* all keys invalid: max -inf, every weight 0 (the merge gives this segment weight 0) */
-        const v8 m0 = vsel(m == splat(-INFINITY), splat(0.0f), m);
+        const v8 m0 = v8_select(m == splat(-INFINITY), splat(0.0f), m);
         for (int u = 0; u < n; u++) {
             v8 *s = (v8 *)(S + (int64_t)u * H8 + j8);
             *s = ok[t0 + u] ? vexp(*s - m0) : splat(0.0f);

@@ -42,6 +42,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "common.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -437,44 +439,29 @@ static AVX512 void decode_row_avx512(const uint8_t *w, const uint8_t *s, int K, 
     }
 }
 
-/* exp(x) on 16 lanes: Cephes' expf (x = n ln2 + r with ln2 in two parts, a degree-6 polynomial
- * in r, then 2^n by vscalefps), within 2 ulp of libm's; inf, 0 and NaN where expf gives them. The
- * scalar expf in the silu below was 7% of a 32-token MoE layer (small model, one thread). */
-INLINE AVX512 __m512 exp512(__m512 x) {
-    /* max/min return their second operand when one is NaN: x's NaN goes through */
-    x = _mm512_min_ps(_mm512_set1_ps(88.8f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* dst = silu(g) * u for 32 * k columns, in xp order (AVX-512: in each 32, the even columns, then
- * the odd ones), as the scalar loop g / (1 + expf(-g)) * u computes it. */
-static AVX512 void silu_mul_avx512(const float *g, const float *u, int cols, float *dst) {
+/* 32 * k values in natural column order -> xp order (AVX-512: in each 32, the even columns,
+ * then the odd ones) */
+static AVX512 void xp_order_avx512(const float *src, int cols, float *dst) {
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    const __m512 one = _mm512_set1_ps(1.0f);
     for (int c = 0; c < cols; c += 32) {
-        __m512 a[2];
-        for (int h = 0; h < 2; h++) {
-            const __m512 gv = _mm512_loadu_ps(g + c + 16 * h);
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            a[h] = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + c + 16 * h));
-        }
-        _mm512_storeu_ps(dst + c, _mm512_permutex2var_ps(a[0], even, a[1]));
-        _mm512_storeu_ps(dst + c + 16, _mm512_permutex2var_ps(a[0], odd, a[1]));
+        const __m512 a = _mm512_loadu_ps(src + c), b = _mm512_loadu_ps(src + c + 16);
+        _mm512_storeu_ps(dst + c, _mm512_permutex2var_ps(a, even, b));
+        _mm512_storeu_ps(dst + c + 16, _mm512_permutex2var_ps(a, odd, b));
     }
 }
 #endif /* MX_X86 */
+
+/* out = silu(g) * u over n values (n a multiple of 8), natural order: 8 lanes at a time (common.h's
+ * vexp; libm's scalar expf here was 7% of a 32-token MoE layer and 15% of a one-token one) */
+CLONES static void silu_mul_row(const float *g, const float *u, int n, float *out) {
+    for (int i = 0; i < n; i += 8) {
+        v8 gv, uv;
+        memcpy(&gv, g + i, sizeof gv), memcpy(&uv, u + i, sizeof uv);
+        const v8 a = vsilu(gv) * uv;
+        memcpy(out + i, &a, sizeof a);
+    }
+}
 
 static void decode_row_scalar(const uint8_t *w, const uint8_t *s, int K, float *out) {
     for (int i = 0; i < K / 2; i++) {
@@ -552,11 +539,18 @@ static inline int xb_pos(int c) {
     return (c & ~31) | (8 * ((c >> 2) & 3) + 4 * ((c >> 4) & 1) + (c & 3));
 }
 
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+/* dst (xp order) = silu(g) * u over cols <= 128 columns (a multiple of 32) that start at a
+ * multiple of 32, as the w2 kernels read the activations */
+static void silu_mul_xp(const float *g, const float *u, int cols, float *dst, int G) {
+    float a[128];
+    silu_mul_row(g, u, cols, a);
+#ifdef MX_X86
+    if (g_isa >= ISA_AVX512) {
+        xp_order_avx512(a, cols, dst);
+        return;
+    }
+#endif
+    for (int i = 0; i < cols; i++) dst[xp_pos(i, G)] = a[i];
 }
 
 /* ---------------------------------------------------------------- when bf16 is exact
@@ -613,20 +607,17 @@ void mx_w13_rows(int64_t *out) {
     out[1] = __atomic_exchange_n(&g_w13_rows[1], 0, __ATOMIC_RELAXED);
 }
 
-/* act = silu(g) * u over cols (a multiple of 32) columns, in natural order, by the code path
- * the forward uses for its activations (AVX-512: silu_mul_avx512). For tests. */
+/* act = silu(g) * u over cols (a multiple of 32) columns, in natural order, as the forward
+ * computes its activations (silu_mul_xp). For tests. */
 void mx_silu_mul(const float *g, const float *u, int cols, float *act) {
     if (g_isa < 0) mx_set_isa(-1);
     const int G = xp_group();
-    float *tmp = malloc(sizeof(float) * ((size_t)cols + 1));
-    if (!tmp) return;
-#ifdef MX_X86
-    if (g_isa >= ISA_AVX512) silu_mul_avx512(g, u, cols, tmp);
-    else
-#endif
-        for (int i = 0; i < cols; i++) tmp[xp_pos(i, G)] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    for (int i = 0; i < cols; i++) act[i] = tmp[xp_pos(i, G)];
-    free(tmp);
+    float tmp[128];
+    for (int c = 0; c < cols; c += 128) {
+        const int n = cols - c < 128 ? cols - c : 128;
+        silu_mul_xp(g + c, u + c, n, tmp, G);
+        for (int i = 0; i < n; i++) act[c + i] = tmp[xp_pos(i, G)];
+    }
 }
 
 /* Decode rows x K of a packed matrix to fp32 (natural order), split over nthreads. */
@@ -756,18 +747,8 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
             const uint16_t *const *xbj = bf ? xb + j0 : NULL;
             w13_rows(we, se, H, i0, i1, n, fisa, xs + j0, xbj, ex, hd + j0);
             w13_rows(we, se, H, I + i0, I + i1, n, fisa, xs + j0, xbj, ex, hd + j0);
-            for (int j = j0; j < j0 + n; j++) {
-#ifdef MX_X86
-                if (g_isa >= ISA_AVX512) { /* i0 and i1 are multiples of 32 (I is) */
-                    silu_mul_avx512(hd[j] + i0, hd[j] + I + i0, i1 - i0, act + (size_t)j * I + i0);
-                    continue;
-                }
-#endif
-                for (int i = i0; i < i1; i++) {
-                    const float g = hd[j][i], u = hd[j][I + i];
-                    act[(size_t)j * I + xp_pos(i, G)] = g / (1.0f + expf(-g)) * u;
-                }
-            }
+            for (int j = j0; j < j0 + n; j++) /* i0 and i1 are multiples of 32 (I is) */
+                silu_mul_xp(hd[j] + i0, hd[j] + I + i0, i1 - i0, act + (size_t)j * I + i0, G);
         }
         /* implicit barrier: act is complete */
 
