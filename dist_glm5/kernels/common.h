@@ -86,4 +86,16 @@ static inline __attribute__((always_inline)) v8 vexp(v8 x) {
 /* silu(g) = g / (1 + exp(-g)) on 8 lanes */
 static inline __attribute__((always_inline)) v8 vsilu(v8 g) { return g / (V8(1.0f) + vexp(-g)); }
 
+/* out = silu(g) * u over n values (n a multiple of 8), 8 lanes at a time: the experts' act (libm's
+ * scalar expf there was 7% of a 32-token MoE layer and 15% of a one-token one) */
+__attribute__((unused)) CLONES static void silu_mul_row(const float *g, const float *u, int n,
+                                                        float *out) {
+    for (int i = 0; i < n; i += 8) {
+        v8 gv, uv;
+        memcpy(&gv, g + i, sizeof gv), memcpy(&uv, u + i, sizeof uv);
+        const v8 a = vsilu(gv) * uv;
+        memcpy(out + i, &a, sizeof a);
+    }
+}
+
 #endif

@@ -452,17 +452,6 @@ static AVX512 void xp_order_avx512(const float *src, int cols, float *dst) {
 }
 #endif /* MX_X86 */
 
-/* out = silu(g) * u over n values (n a multiple of 8), natural order: 8 lanes at a time (common.h's
- * vexp; libm's scalar expf here was 7% of a 32-token MoE layer and 15% of a one-token one) */
-CLONES static void silu_mul_row(const float *g, const float *u, int n, float *out) {
-    for (int i = 0; i < n; i += 8) {
-        v8 gv, uv;
-        memcpy(&gv, g + i, sizeof gv), memcpy(&uv, u + i, sizeof uv);
-        const v8 a = vsilu(gv) * uv;
-        memcpy(out + i, &a, sizeof a);
-    }
-}
-
 static void decode_row_scalar(const uint8_t *w, const uint8_t *s, int K, float *out) {
     for (int i = 0; i < K / 2; i++) {
         const float sc = SCALE[s[i / 16]];

@@ -412,11 +412,8 @@ int w4_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
             rows_dot(we, se, H, i0, i1, n, xqs + j0, xds + j0, hd + j0, NULL, dt);
             rows_dot(we, se, H, I + i0, I + i1, n, xqs + j0, xds + j0, hd + j0, NULL, dt);
             for (int j = j0; j < j0 + n; j++) {
-                float *a = hd[j] + i0; /* act overwrites gate in place */
-                for (int i = 0; i < i1 - i0; i++) {
-                    const float g = a[i], u = hd[j][I + i0 + i];
-                    a[i] = g / (1.0f + expf(-g)) * u;
-                }
+                float *a = hd[j] + i0; /* act overwrites gate in place (i1 - i0: whole blocks) */
+                silu_mul_row(a, hd[j] + I + i0, i1 - i0, a);
                 quantise(a, i1 - i0, aq + (size_t)j * I + i0, ad + (size_t)j * (I / 32) + i0 / 32);
             }
         }
