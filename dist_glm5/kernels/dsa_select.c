@@ -297,10 +297,13 @@ vnni_block(const int32_t *q4, const int32_t *qcorr, const float *c, int n, int H
     for (int j0 = 0; j0 < m; j0 += 16) {
         const int nk = m - j0 < 16 ? m - j0 : 16;
         const uint8_t *kr = rows + j0 * stride;
-        for (int g = 0; g < G; g += 16) transpose16(kr, stride, nk, g, G - g < 16 ? G - g : 16, kt + g);
-        for (int g = 0; g < G; g++) kt[g] = _mm512_xor_si512(kt[g], bias);
+        /* the G dwords of each key, and its scale (dword G) in the last transpose's spare lane
+         * when there is one (G % 16 != 0), else gathered */
+        for (int g = 0; g < G; g += 16) transpose16(kr, stride, nk, g, G - g < 16 ? G + 1 - g : 16, kt + g);
         const __mmask16 km = (__mmask16)((1u << nk) - 1);
-        const __m512 ks = _mm512_mask_i32gather_ps(zero, km, at, kr + D, 1); /* the scales */
+        const __m512 ks = G % 16 ? _mm512_castsi512_ps(kt[G])
+                                 : _mm512_mask_i32gather_ps(zero, km, at, kr + D, 1);
+        for (int g = 0; g < G; g++) kt[g] = _mm512_xor_si512(kt[g], bias);
         for (int r = 0; r < n; r++) {
             __m512 s0 = zero, s1 = zero;
             int h = 0;
