@@ -123,17 +123,15 @@ CLONES static void score_block(const float *q, const float *w, const float *c, i
         float row[64] __attribute__((aligned(32)));
         for (int jt = 0; jt < 64; jt += 32) {
             v8 sum[4] = {zero, zero, zero, zero};
+            v8 sq[2][4] = {{zero, zero, zero, zero}, {zero, zero, zero, zero}}; /* int8: by parity */
+            const float *cr = ks ? c + (int64_t)r * H : NULL; /* int8 keys: c = w * qs */
             int h = 0;
-            if (ks) { /* int8 keys (c = w * qs, ks: the key scales) */
-                const float *cr = c + (int64_t)r * H;
-                v8 sq[2][4] = {{zero, zero, zero, zero}, {zero, zero, zero, zero}};
+            if (ks) { /* int8 keys (ks: the key scales) */
                 for (; h + 2 <= H; h += 2) HEADS(2, 4, 1);
                 if (h < H) HEADS(1, 4, 1);
                 for (int v = 0; v < 4; v++)
                     sum[v] = (sq[0][v] + sq[1][v]) * *(const v8 *)(ks + jt + 8 * v);
             } else {
-                const float *cr = NULL; /* unread */
-                v8 sq[2][4];
                 for (; h + 2 <= H; h += 2) HEADS(2, 4, 0);
                 if (h < H) HEADS(1, 4, 0); /* an odd head count's last head */
             }
