@@ -49,16 +49,6 @@ static BF16DOT void quad16(const uint16_t *x16, int n, int K, const uint16_t *w,
 
 static inline float rnd(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-/* 8 lanes rounded to bf16 (nearest even, NaN stays NaN), as f32_to_bf16, and back to fp32 */
-static inline __attribute__((always_inline)) v8 rnd8(v8 f) {
-    v8u u;
-    memcpy(&u, &f, sizeof u);
-    const v8u nan = (u & 0x7fffffffu) > 0x7f800000u;
-    u = ((nan & (u | 0x400000u)) | (~nan & (u + 0x7fffu + ((u >> 16) & 1u)))) & 0xffff0000u;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* One route's act = rnd(rnd(silu(gate)) * up) over I values from its gate and up rows gu [2I]
  * (bf16), as torch's bf16 ops round: into a16 (bf16) when not NULL, else act (fp32). 8 lanes
  * at a time (common.h's vexp; libm's scalar expf cost more than the products around it). */
@@ -67,7 +57,7 @@ CLONES static void silu_mul_bf16(const uint16_t *gu, int I, uint16_t *a16, float
         const int n = I - i < 8 ? I - i : 8;
         uint16_t g8[8] = {0}, u8[8] = {0};
         memcpy(g8, gu + i, sizeof(uint16_t) * n), memcpy(u8, gu + I + i, sizeof(uint16_t) * n);
-        const v8 v = rnd8(rnd8(vsilu(widen(g8))) * widen(u8));
+        const v8 v = round_bf16_8(round_bf16_8(vsilu(widen(g8))) * widen(u8));
         float o[8];
         memcpy(o, &v, sizeof o);
         for (int l = 0; l < n; l++) {

@@ -47,6 +47,24 @@ static inline __attribute__((always_inline)) v8 widen(const uint16_t *p) { /* 8 
 
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
 
+/* 8 lanes rounded to bf16 as f32_to_bf16 rounds (nearest even, NaN stays NaN), still fp32 */
+static inline __attribute__((always_inline)) v8 round_bf16_8(v8 f) {
+    v8u u;
+    memcpy(&u, &f, sizeof u);
+    const v8u nan = (u & 0x7fffffffu) > 0x7f800000u;
+    u = ((nan & (u | 0x400000u)) | (~nan & (u + 0x7fffu + ((u >> 16) & 1u)))) & 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* 8 fp32 lanes that hold bf16 values (round_bf16_8's) -> their bf16 bits at p */
+static inline __attribute__((always_inline)) void store_bf16_8(uint16_t *p, v8 f) {
+    v8u u;
+    memcpy(&u, &f, sizeof u);
+    const v8h h = __builtin_convertvector(u >> 16, v8h);
+    memcpy(p, &h, sizeof h);
+}
+
 /* lanes of a where m is set, else of b (m: a comparison's all-ones / zero lanes; C has no vector ?:) */
 static inline __attribute__((always_inline)) v8 v8_select(v8i m, v8 a, v8 b) {
     v8i ai, bi;

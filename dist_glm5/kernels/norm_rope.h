@@ -16,19 +16,28 @@ static inline float rb(float f) { return bf16_to_f32(f32_to_bf16(f)); } /* f rou
 
 /* x [D] (bf16 or fp32, is_bf16), weight [D] of the same dtype -> out [D]: fp32 statistics,
  * x * rsqrt(mean(x^2) + eps) rounded to x's dtype, then times the weight in that dtype. */
-static void rms_row(const void *x, int D, int is_bf16, const void *w, float eps, void *out) {
+CLONES static void rms_row(const void *x, int D, int is_bf16, const void *w, float eps,
+                           void *out) {
     float acc[8] = {0}, ss;
     int D8 = D & ~7;
     if (is_bf16) {
         const uint16_t *xr = (const uint16_t *)x;
-        for (int d = 0; d < D8; d += 8)
-            for (int l = 0; l < 8; l++) acc[l] += bf16_to_f32(xr[d + l]) * bf16_to_f32(xr[d + l]);
+        v8 a = V8(0.0f); /* lane l: elements d + l, as the scalar acc[l] */
+        for (int d = 0; d < D8; d += 8) {
+            const v8 xv = widen(xr + d);
+            a += xv * xv;
+        }
+        memcpy(acc, &a, sizeof acc);
         ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
         for (int d = D8; d < D; d++) ss += bf16_to_f32(xr[d]) * bf16_to_f32(xr[d]);
         float k = 1.0f / sqrtf(ss / D + eps);
         uint16_t *o = (uint16_t *)out;
         const uint16_t *wb = (const uint16_t *)w;
-        for (int d = 0; d < D; d++) o[d] = f32_to_bf16(bf16_to_f32(wb[d]) * rb(bf16_to_f32(xr[d]) * k));
+        /* 8 at a time, the scalar tail's roundings (the scalar loop did not vectorise: 1 ns an
+         * element, 0.6 ms of a 32-row step's 17 norms) */
+        for (int d = 0; d < D8; d += 8)
+            store_bf16_8(o + d, round_bf16_8(widen(wb + d) * round_bf16_8(widen(xr + d) * V8(k))));
+        for (int d = D8; d < D; d++) o[d] = f32_to_bf16(bf16_to_f32(wb[d]) * rb(bf16_to_f32(xr[d]) * k));
     } else {
         const float *xr = (const float *)x;
         for (int d = 0; d < D8; d += 8)
