@@ -528,18 +528,21 @@ static inline int xb_pos(int c) {
     return (c & ~31) | (8 * ((c >> 2) & 3) + 4 * ((c >> 4) & 1) + (c & 3));
 }
 
-/* dst (xp order) = silu(g) * u over cols <= 128 columns (a multiple of 32) that start at a
- * multiple of 32, as the w2 kernels read the activations */
+/* dst (xp order) = silu(g) * u over cols columns (a multiple of 32) that start at a multiple of
+ * 32, as the w2 kernels read the activations; 128 at a time through a buffer on the stack */
 static void silu_mul_xp(const float *g, const float *u, int cols, float *dst, int G) {
     float a[128];
-    silu_mul_row(g, u, cols, a);
+    for (int c0 = 0; c0 < cols; c0 += 128) {
+        const int n = cols - c0 < 128 ? cols - c0 : 128;
+        silu_mul_row(g + c0, u + c0, n, a);
 #ifdef MX_X86
-    if (g_isa >= ISA_AVX512) {
-        xp_order_avx512(a, cols, dst);
-        return;
-    }
+        if (g_isa >= ISA_AVX512) {
+            xp_order_avx512(a, n, dst + c0);
+            continue;
+        }
 #endif
-    for (int i = 0; i < cols; i++) dst[xp_pos(i, G)] = a[i];
+        for (int i = 0; i < n; i++) dst[c0 + xp_pos(i, G)] = a[i];
+    }
 }
 
 /* ---------------------------------------------------------------- when bf16 is exact
@@ -587,6 +590,21 @@ static void w13_rows(const uint8_t *w, const uint8_t *s, int H, int r0, int r1, 
     __atomic_fetch_add(&g_w13_rows[!bf], r1 - r0, __ATOMIC_RELAXED);
 }
 
+/* Rows per work item of a matrix of `rows` rows of row_bytes each: at least ITEM_BYTES of it
+ * and 128 rows, a multiple of 32 (the act's xp blocks), and at most rows / parts (rounded up) so
+ * that `parts` threads all get one. Each item is a stream the prefetch restarts on: with the
+ * small model's 512-byte w13 rows, items of 128 rows (64 KiB) read one token's experts from
+ * DRAM at 34 GB/s on two threads and 20 on one; of 512 rows, 50 and 27 (GLM-5's 3 KiB rows
+ * give 128 rows either way). */
+enum { ITEM_BYTES = 256 << 10, ITEM_MIN_ROWS = 128 };
+static int item_rows(size_t row_bytes, int rows, int parts) {
+    int c = (int)(ITEM_BYTES / row_bytes);
+    if (c < ITEM_MIN_ROWS) c = ITEM_MIN_ROWS;
+    if (parts > 1 && c > (rows + parts - 1) / parts) c = (rows + parts - 1) / parts;
+    c = (c + 31) & ~31;
+    return c < rows ? c : rows;
+}
+
 /* ---------------------------------------------------------------- entry points */
 
 /* The w13 rows computed since the last call by the bf16 kernels (out[0]) and by the fp32 ones
@@ -601,12 +619,11 @@ void mx_w13_rows(int64_t *out) {
 void mx_silu_mul(const float *g, const float *u, int cols, float *act) {
     if (g_isa < 0) mx_set_isa(-1);
     const int G = xp_group();
-    float tmp[128];
-    for (int c = 0; c < cols; c += 128) {
-        const int n = cols - c < 128 ? cols - c : 128;
-        silu_mul_xp(g + c, u + c, n, tmp, G);
-        for (int i = 0; i < n; i++) act[c + i] = tmp[xp_pos(i, G)];
-    }
+    float *tmp = malloc(sizeof(float) * ((size_t)cols + 1));
+    if (!tmp) return;
+    silu_mul_xp(g, u, cols, tmp, G);
+    for (int i = 0; i < cols; i++) act[i] = tmp[xp_pos(i, G)];
+    free(tmp);
 }
 
 /* Decode rows x K of a packed matrix to fp32 (natural order), split over nthreads. */
@@ -699,12 +716,10 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
         od[j] = out + (size_t)route_tok[j] * H;
     }
 
-    /* Work items of CHUNK rows, taken dynamically: a thread that the OS parks (2 cores shared
-     * with other processes) delays one item, not a fixed half of the work; each item is still
-     * CHUNK contiguous rows (GLM-5: 384 KiB of gate rows and as much of up rows). 128 measured
-     * a little faster than 64 and 32 (fewer stream starts), as fast as 256. */
-    enum { CHUNK = 128 };
-    const int ci = (I + CHUNK - 1) / CHUNK, ch = (H + CHUNK - 1) / CHUNK;
+    /* Work items of contiguous rows (item_rows), taken dynamically: a thread that the OS parks
+     * (2 cores shared with other processes) delays one item, not a fixed half of the work. */
+    const int c13 = item_rows(H / 2, I, 1), c2 = item_rows(I / 2, H, nthreads);
+    const int ci = (I + c13 - 1) / c13, ch = (H + c2 - 1) / c2;
 #pragma omp parallel num_threads(nthreads)
     {
         /* Activations to fp32 in xp order; the output starts at zero. */
@@ -728,7 +743,7 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < ntouched * ci; item++) {
             const int e = touched[item / ci], j0 = start[e], n = start[e + 1] - j0;
-            const int i0 = (item % ci) * CHUNK, i1 = i0 + CHUNK < I ? i0 + CHUNK : I;
+            const int i0 = (item % ci) * c13, i1 = i0 + c13 < I ? i0 + c13 : I;
             const uint8_t *we = w13 + (size_t)e * 2 * I * (H / 2);
             const uint8_t *se = s13 + (size_t)e * 2 * I * (H / 32);
             int ex = 255; /* the smallest x exponent of the expert's tokens */
@@ -745,7 +760,7 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
          * into the same output element */
 #pragma omp for schedule(dynamic, 1)
         for (int c = 0; c < ch; c++) {
-            const int r0 = c * CHUNK, r1 = r0 + CHUNK < H ? r0 + CHUNK : H;
+            const int r0 = c * c2, r1 = r0 + c2 < H ? r0 + c2 : H;
             for (int q = 0; q < ntouched; q++) {
                 const int e = touched[q], j0 = start[e], n = start[e + 1] - j0;
                 rows_dot(w2 + (size_t)e * H * (I / 2), s2 + (size_t)e * H * (I / 32), I, r0, r1,
