@@ -380,10 +380,10 @@ int w4_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
         od[j] = out + (size_t)route_tok[j] * H;
     }
 
-    /* Work items of CHUNK rows (a multiple of 32: an item quantises whole blocks of act), taken
-     * dynamically, as in mxfp4_moe.c. */
-    enum { CHUNK = 128 };
-    const int ci = (I + CHUNK - 1) / CHUNK, ch = (H + CHUNK - 1) / CHUNK;
+    /* Work items of contiguous rows (common.h's item_rows: a multiple of 32, so an item
+     * quantises whole blocks of act), taken dynamically, as in mxfp4_moe.c. */
+    const int c13 = item_rows(H / 2, I, 1), c2 = item_rows(I / 2, H, nthreads);
+    const int ci = (I + c13 - 1) / c13, ch = (H + c2 - 1) / c2;
 #pragma omp parallel num_threads(nthreads)
     {
 #ifdef _OPENMP
@@ -406,7 +406,7 @@ int w4_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < ntouched * ci; item++) {
             const int e = touched[item / ci], j0 = start[e], n = start[e + 1] - j0;
-            const int i0 = (item % ci) * CHUNK, i1 = i0 + CHUNK < I ? i0 + CHUNK : I;
+            const int i0 = (item % ci) * c13, i1 = i0 + c13 < I ? i0 + c13 : I;
             const uint8_t *we = w13 + (size_t)e * 2 * I * (H / 2);
             const uint8_t *se = s13 + (size_t)e * 2 * I * (H / 32);
             rows_dot(we, se, H, i0, i1, n, xqs + j0, xds + j0, hd + j0, NULL, dt);
@@ -423,7 +423,7 @@ int w4_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
          * into the same output element */
 #pragma omp for schedule(dynamic, 1)
         for (int c = 0; c < ch; c++) {
-            const int r0 = c * CHUNK, r1 = r0 + CHUNK < H ? r0 + CHUNK : H;
+            const int r0 = c * c2, r1 = r0 + c2 < H ? r0 + c2 : H;
             for (int q = 0; q < ntouched; q++) {
                 const int e = touched[q], j0 = start[e], n = start[e + 1] - j0;
                 rows_dot(w2 + (size_t)e * H * (I / 2), s2 + (size_t)e * H * (I / 32), I, r0, r1,
