@@ -76,9 +76,8 @@ static void *scratch(int slot, size_t bytes) {
     return scr_ptr[slot];
 }
 
-/* macros, not functions: a function without the clone's target would not inline into it */
-#define splat(x) ((v8){(x), (x), (x), (x), (x), (x), (x), (x)})
-/* max(x, 0) with +0.0 for x <= 0, as `x > 0 ? x : 0` (C has no vector ?:) */
+/* max(x, 0) with +0.0 for x <= 0, as `x > 0 ? x : 0` (C has no vector ?:); a macro, as common.h's
+ * V8: a function without the clone's target would not inline into it */
 #define relu(x) ((v8)((v8i)(x) & ((x) > zero)))
 
 /* NH heads' dots against NV x 8 keys at kbT + jt, relu'd, weighted and added into sum[0..NV):
@@ -97,14 +96,14 @@ static void *scratch(int slot, size_t bytes) {
             for (int v = 0; v < NV; v++) /* volatile: loaded once, not re-read per FMA */        \
                 kv[v] = *(const volatile v8 *)(kbT + d * 64 + jt + 8 * v);                       \
             for (int i = 0; i < NH; i++) {                                                       \
-                const v8 x = splat(qr[(int64_t)(h + i) * D + d]);                               \
+                const v8 x = V8(qr[(int64_t)(h + i) * D + d]);                               \
                 for (int v = 0; v < NV; v++) acc[i][v] += x * kv[v];                             \
             }                                                                                    \
         }                                                                                        \
         for (int i = 0; i < NH; i++) /* relu, then the head weights, in head order */            \
             for (int v = 0; v < NV; v++) {                                                       \
-                if (Q8) sq[i & 1][v] += splat(cr[h + i]) * relu(acc[i][v]);                     \
-                else sum[v] += splat(wr[h + i]) * relu(acc[i][v]);                               \
+                if (Q8) sq[i & 1][v] += V8(cr[h + i]) * relu(acc[i][v]);                     \
+                else sum[v] += V8(wr[h + i]) * relu(acc[i][v]);                               \
             }                                                                                    \
     } while (0)
 
@@ -117,7 +116,7 @@ static void *scratch(int slot, size_t bytes) {
 CLONES static void score_block(const float *q, const float *w, const float *c, int n, int H,
                                int D, const float *kbT, const float *ks, int m, float *out,
                                int64_t ld, float *mx, int64_t ldm) {
-    const v8 zero = splat(0.0f);
+    const v8 zero = V8(0.0f);
     for (int r = 0; r < n; r++) {
         const float *qr = q + (int64_t)r * H * D, *wr = w + (int64_t)r * H;
         float row[64] __attribute__((aligned(32)));

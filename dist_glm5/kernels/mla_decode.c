@@ -42,8 +42,6 @@ static inline float at(const void *p, int64_t e, int is_bf16) {
 
 static inline float round_to(float f, int is_bf16) { return is_bf16 ? bf16_to_f32(f32_to_bf16(f)) : f; }
 
-static inline __attribute__((always_inline)) v8 splat(float f) { return (v8){f, f, f, f, f, f, f, f}; }
-
 static inline __attribute__((always_inline)) v8 vmax(v8 a, v8 b) { return v8_select(a > b, a, b); }
 
 /* Phase 1, row i head j: qT[e * H8 + j] = q_lat[e] (e < c), q_rot[e - c] (c <= e < c + r). */
@@ -95,7 +93,7 @@ static inline __attribute__((always_inline)) void segment(
         int u = 0;
         for (; u + KB <= n; u += KB) {
             v8 a[KB];
-            for (int b = 0; b < KB; b++) a[b] = splat(0.0f);
+            for (int b = 0; b < KB; b++) a[b] = V8(0.0f);
             for (int e = 0; e < cr; e++) {
                 const v8 q = *(const v8 *)(qT + (int64_t)e * H8 + j8);
                 for (int b = 0; b < KB; b++) a[b] += rows[(int64_t)(u + b) * cr + e] * q;
@@ -103,7 +101,7 @@ static inline __attribute__((always_inline)) void segment(
             for (int b = 0; b < KB; b++) *(v8 *)(S + (int64_t)(u + b) * H8 + j8) = a[b] * scale;
         }
         for (; u < n; u++) {
-            v8 a = splat(0.0f);
+            v8 a = V8(0.0f);
             for (int e = 0; e < cr; e++)
                 a += rows[(int64_t)u * cr + e] * *(const v8 *)(qT + (int64_t)e * H8 + j8);
             *(v8 *)(S + (int64_t)u * H8 + j8) = a * scale;
@@ -111,15 +109,15 @@ static inline __attribute__((always_inline)) void segment(
     }
     /* the segment's max per head over its valid keys, then exp(s - max) (0 where not valid) */
     for (int j8 = 0; j8 < H8; j8 += 8) {
-        v8 m = splat(-INFINITY);
+        v8 m = V8(-INFINITY);
         for (int u = 0; u < n; u++)
             if (ok[t0 + u]) m = vmax(m, *(const v8 *)(S + (int64_t)u * H8 + j8));
-        v8 l = splat(0.0f);
+        v8 l = V8(0.0f);
         /* all keys invalid: max -inf, every weight 0 (the merge gives this segment weight 0) */
-        const v8 m0 = v8_select(m == splat(-INFINITY), splat(0.0f), m);
+        const v8 m0 = v8_select(m == V8(-INFINITY), V8(0.0f), m);
         for (int u = 0; u < n; u++) {
             v8 *s = (v8 *)(S + (int64_t)u * H8 + j8);
-            *s = ok[t0 + u] ? vexp(*s - m0) : splat(0.0f);
+            *s = ok[t0 + u] ? vexp(*s - m0) : V8(0.0f);
             l += *s;
         }
         *(v8 *)(mx + j8) = m;
@@ -133,8 +131,8 @@ static inline __attribute__((always_inline)) void segment(
                 v8 a0[4] = {0}, a1[4] = {0};
                 for (int u = 0; u < n; u++) {
                     const float *row = rows + (int64_t)u * cr + e0;
-                    const v8 p0 = splat(S[(int64_t)u * H8 + j]);
-                    const v8 p1 = splat(two ? S[(int64_t)u * H8 + j + 1] : 0.0f);
+                    const v8 p0 = V8(S[(int64_t)u * H8 + j]);
+                    const v8 p1 = V8(two ? S[(int64_t)u * H8 + j + 1] : 0.0f);
                     for (int b = 0; b < 4; b++) {
                         const v8 x = *(const v8 *)(row + 8 * b);
                         a0[b] += p0 * x;
@@ -180,7 +178,7 @@ static inline __attribute__((always_inline)) void merge_out(
         float y = 0.0f;
         if (is_bf16) {
             const uint16_t *wr = (const uint16_t *)wkvb + w_uv + (int64_t)vv * c;
-            v8 a0 = splat(0.0f), a1 = splat(0.0f);
+            v8 a0 = V8(0.0f), a1 = V8(0.0f);
             int e = 0;
             for (; e + 16 <= c; e += 16) {
                 a0 += *(const v8 *)(tmp + e) * widen(wr + e);
@@ -192,7 +190,7 @@ static inline __attribute__((always_inline)) void merge_out(
             for (; e < c; e++) y += tmp[e] * bf16_to_f32(wr[e]);
         } else {
             const float *wr = (const float *)wkvb + w_uv + (int64_t)vv * c;
-            v8 a0 = splat(0.0f), a1 = splat(0.0f);
+            v8 a0 = V8(0.0f), a1 = V8(0.0f);
             int e = 0;
             for (; e + 16 <= c; e += 16) {
                 a0 += *(const v8 *)(tmp + e) * *(const v8 *)(wr + e);
