@@ -600,15 +600,16 @@ void mx_w13_rows(int64_t *out) {
 }
 
 /* act = silu(g) * u over cols (a multiple of 32) columns, in natural order, as the forward
- * computes its activations (silu_mul_xp). For tests. */
-void mx_silu_mul(const float *g, const float *u, int cols, float *act) {
+ * computes its activations (silu_mul_xp). For tests. Returns 0, or -1 if memory ran out. */
+int mx_silu_mul(const float *g, const float *u, int cols, float *act) {
     if (g_isa < 0) mx_set_isa(-1);
     const int G = xp_group();
     float *tmp = malloc(sizeof(float) * ((size_t)cols + 1));
-    if (!tmp) return;
+    if (!tmp) return -1;
     silu_mul_xp(g, u, cols, tmp, G);
     for (int i = 0; i < cols; i++) act[i] = tmp[xp_pos(i, G)];
     free(tmp);
+    return 0;
 }
 
 /* Decode rows x K of a packed matrix to fp32 (natural order), split over nthreads. */

@@ -65,7 +65,7 @@ def _signatures(lib: ctypes.CDLL) -> None:
     lib.mx_moe_forward.argtypes = [p, i, i, i, i, i, p, p, i, i, p, p, p, p, p, i, i, p]
     lib.mx_moe_forward.restype = i
     lib.mx_w13_rows.argtypes, lib.mx_w13_rows.restype = [p], None
-    lib.mx_silu_mul.argtypes, lib.mx_silu_mul.restype = [p, p, i, p], None
+    lib.mx_silu_mul.argtypes, lib.mx_silu_mul.restype = [p, p, i, p], i
     cap = os.environ.get(ISA_ENV, "").strip().lower()
     if cap and cap not in ISA_NAMES:
         log.warning("%s=%r is none of %s: ignored", ISA_ENV, cap, ISA_NAMES)
@@ -112,7 +112,8 @@ def silu_mul(g: Tensor, u: Tensor) -> Tensor:
             f"g and u must be [cols] with cols a multiple of 32, got {g.shape}, {u.shape}"
         )
     out = torch.empty_like(g)
-    lib.mx_silu_mul(g.data_ptr(), u.data_ptr(), len(g), out.data_ptr())
+    if lib.mx_silu_mul(g.data_ptr(), u.data_ptr(), len(g), out.data_ptr()):
+        raise MemoryError("mx_silu_mul: no memory for its buffer")
     return out
 
 
