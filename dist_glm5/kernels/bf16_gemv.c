@@ -51,7 +51,7 @@ static inline float rnd(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* One route's act = rnd(rnd(silu(gate)) * up) over I values from its gate and up rows gu [2I]
  * (bf16), as torch's bf16 ops round: into a16 (bf16) when not NULL, else act (fp32). 8 lanes
- * at a time (common.h's vexp; libm's scalar expf cost more than the products around it). */
+ * at a time (common.h's vsilu, as silu_mul_row). */
 CLONES static void silu_mul_bf16(const uint16_t *gu, int I, uint16_t *a16, float *act) {
     for (int i = 0; i < I; i += 8) {
         const int n = I - i < 8 ? I - i : 8;

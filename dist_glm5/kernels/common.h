@@ -78,8 +78,7 @@ static inline __attribute__((always_inline)) v8 v8_select(v8i m, v8 a, v8 b) {
 
 /* exp of 8 lanes as expf gives it, within 2 ulp: Cephes' expf (x = n ln2 + r, r in [-ln2/2, ln2/2]
  * with ln2 in two parts, a degree-6 polynomial in r), then 2^n as two factors 2^(n/2), so that a
- * result in the subnormal range rounds once. 0 below -104, inf above 88.8, NaN stays NaN. Where
- * libm's scalar expf was, it cost more than the products around it (the experts' silu). */
+ * result in the subnormal range rounds once. 0 below -104, inf above 88.8, NaN stays NaN. */
 static inline __attribute__((always_inline)) v8 vexp(v8 x) {
     x = v8_select(x < V8(-104.0f), V8(-104.0f), x); /* a NaN compares false: it goes through */
     x = v8_select(x > V8(88.8f), V8(88.8f), x);
