@@ -40,13 +40,6 @@ CLONES int bf16_gemv(const uint16_t *x, int m, int K, const uint16_t *w, int N, 
  * Python: about ten eager ops per expert, 8 experts per layer, which at batch 1 cost more than
  * reading the experts' weights. */
 
-/* Weight rows [n0, n0 + wr) of w [N, K] against the n bf16 rows x16 with the AVX512-BF16 tiles:
- * y [n, N]. A function with their target, so that they inline here. */
-static BF16DOT void quad16(const uint16_t *x16, int n, int K, const uint16_t *w, int n0, int wr,
-                           uint16_t *y, int N) {
-    rows16(x16, n, K, w, n0, wr, NULL, y, N);
-}
-
 static inline float rnd(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* One route's act = rnd(rnd(silu(gate)) * up) over I values from its gate and up rows gu [2I]

@@ -172,6 +172,15 @@ static inline __attribute__((always_inline)) BF16DOT void rows16(const uint16_t 
     ROWS_OF(tile16, x16);
 }
 
+/* Weight rows [n0, n0 + wr) of w [N, K] against the n bf16 rows x16 with the AVX512-BF16 tiles:
+ * y [n, N] (row stride N). A function with their target, so that they inline in it: a caller's
+ * own parallel region calls it per work item (a CLONES caller cannot inline a BF16DOT helper). */
+static __attribute__((unused)) BF16DOT void quad16(const uint16_t *x16, int n, int K,
+                                                   const uint16_t *w, int n0, int wr, uint16_t *y,
+                                                   int N) {
+    rows16(x16, n, K, w, n0, wr, NULL, y, N);
+}
+
 /* The np products' weight rows in quads over threads (ROWSFN: rows or rows16, on X); np <= 8. */
 #define OVER_QUADS(ROWSFN, X)                                                                    \
     do {                                                                                         \

@@ -9,15 +9,19 @@
  * gather, widen, two einsums, mask, softmax and einsum) is a dozen eager ops per layer, about
  * 0.8 ms of overhead per layer at batch 1 on this machine for 0.1 ms of arithmetic.
  *
- * How, in three phases of one parallel region (work items over threads):
- * 1. (row, head): q_lat, stored transposed with q_rot (qT[e] holds element e of every head,
- *    heads padded to H8 = a multiple of 8), so that a cache row scores all heads at once.
+ * How, in four phases of one parallel region (work items over threads):
+ * 1. (head, block of 4 rows): q_lat, the rows sharing each widened row of W_uk, stored transposed
+ *    with q_rot (qT[e] holds element e of every head, heads padded to H8 = a multiple of 8), so
+ *    that a cache row scores all heads at once.
  * 2. (row, segment of SEG selected keys), flash-decoding style: the segment's cache rows widened
  *    once into fp32, scored 8 keys at a time (8 independent FMA chains: one key at a time was
  *    bound by the FMA latency), a vector exp, and the segment's unnormalised o_lat with its own
  *    max and sum per head.
  * 3. (row, head): the segments merged in order (each rescaled by exp(max_s - max)), divided by
- *    the sum, rounded, and projected by W_uv.
+ *    the sum and rounded: o_lat, stored head by head.
+ * 4. (head, 4 outputs): o_lat . W_uv^T for every row, bf16 by gemv_tiles.h's product (so the
+ *    weight rows are read once for all the rows; one output at a time per row and head was one
+ *    FMA chain, bound by its latency: 0.16 of 0.48 ms a layer at 32 rows).
  * SEG is fixed, so the bits depend neither on the thread count nor on the batch: a row's result
  * is the same alone or among others, and one sequence still spreads over both cores.
  * Products and sums are fp32 with the reference's roundings; only the order of the fp32
@@ -29,6 +33,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "gemv_tiles.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -44,18 +49,47 @@ static inline float round_to(float f, int is_bf16) { return is_bf16 ? bf16_to_f3
 
 static inline __attribute__((always_inline)) v8 vmax(v8 a, v8 b) { return v8_select(a > b, a, b); }
 
-/* Phase 1, row i head j: qT[e * H8 + j] = q_lat[e] (e < c), q_rot[e - c] (c <= e < c + r). */
+/* Phase 1, rows i0 .. i0+R-1 of head j: qT[e * H8 + j] = q_lat[e] (e < c), q_rot[e - c]
+ * (c <= e < c + r) of each row. R rows share each widened weight row (R constant: the
+ * accumulators stay in registers); an element's sum runs over d in order as one FMA chain, so its
+ * bits depend neither on R nor on the rows beside it. */
 static inline __attribute__((always_inline)) void q_latent(
-    const void *q_nope, int64_t qn_i, int64_t qn_j, const void *q_rot, const void *wkvb, int i,
-    int j, int h, int H8, int nope, int v, int c, int r, int is_bf16, float *tmp, float *qT) {
+    const void *q_nope, int64_t qn_i, int64_t qn_j, const void *q_rot, const void *wkvb, int i0,
+    int R, int j, int h, int H8, int nope, int v, int c, int r, int is_bf16, int64_t qsize,
+    float *qT) {
+    enum { E = 32, RB = 4 }; /* elements of e per pass; rows at most */
     const int64_t w_uk = (int64_t)j * (nope + v) * c;
-    memset(tmp, 0, sizeof(float) * c);
-    for (int d = 0; d < nope; d++) { /* axpy over c: contiguous rows of the weight */
-        float qd = at(q_nope, i * qn_i + j * qn_j + d, is_bf16);
-        for (int e = 0; e < c; e++) tmp[e] += qd * at(wkvb, w_uk + (int64_t)d * c + e, is_bf16);
+    for (int e0 = 0; e0 < c; e0 += E) {
+        const int ne = c - e0 < E ? c - e0 : E;
+        v8 acc[RB][E / 8];
+        for (int i = 0; i < RB; i++)
+            for (int b = 0; b < E / 8; b++) acc[i][b] = V8(0.0f);
+        for (int d = 0; d < nope; d++) {
+            const int64_t wd = w_uk + (int64_t)d * c + e0;
+            v8 w[E / 8];
+            if (ne == E && is_bf16)
+                for (int b = 0; b < E / 8; b++) w[b] = widen((const uint16_t *)wkvb + wd + 8 * b);
+            else if (ne == E)
+                for (int b = 0; b < E / 8; b++) memcpy(&w[b], (const float *)wkvb + wd + 8 * b, 32);
+            else { /* a tail of c */
+                float t[E] = {0};
+                for (int e = 0; e < ne; e++) t[e] = at(wkvb, wd + e, is_bf16);
+                memcpy(w, t, sizeof t);
+            }
+            for (int i = 0; i < R; i++) {
+                const v8 qd = V8(at(q_nope, (i0 + i) * qn_i + j * qn_j + d, is_bf16));
+                for (int b = 0; b < E / 8; b++) acc[i][b] += qd * w[b];
+            }
+        }
+        for (int i = 0; i < R; i++) {
+            float *q = qT + (int64_t)(i0 + i) * qsize;
+            for (int e = 0; e < ne; e++)
+                q[(int64_t)(e0 + e) * H8 + j] = round_to(acc[i][e / 8][e % 8], is_bf16);
+        }
     }
-    for (int e = 0; e < c; e++) qT[(int64_t)e * H8 + j] = round_to(tmp[e], is_bf16);
-    for (int e = 0; e < r; e++) qT[(int64_t)(c + e) * H8 + j] = at(q_rot, ((int64_t)i * h + j) * r + e, is_bf16);
+    for (int i = i0; i < i0 + R; i++)
+        for (int e = 0; e < r; e++)
+            qT[i * qsize + (int64_t)(c + e) * H8 + j] = at(q_rot, ((int64_t)i * h + j) * r + e, is_bf16);
 }
 
 /* Phase 2, row i segment [t0, t1): part = max [H8] | sum [H8] | o [h][c] (unnormalised, head
@@ -155,13 +189,16 @@ static inline __attribute__((always_inline)) void segment(
     }
 }
 
-/* Phase 3, row i head j: merge the segments' parts, normalise, round, project by W_uv. */
-static inline __attribute__((always_inline)) void merge_out(
-    const float *parts, int64_t psize, int nseg, const void *wkvb, int i, int j, int h, int H8,
-    int nope, int v, int c, int is_bf16, float *tmp, void *out) {
+/* Phase 3, row i head j: merge the segments' parts, normalise and round: o_lat into ol (fp32)
+ * and ol16 (its bf16 bits, when not NULL), both [h][n][c] so that phase 4 reads a head's rows
+ * contiguous. */
+static inline __attribute__((always_inline)) void merge(const float *parts, int64_t psize,
+                                                        int nseg, int i, int j, int n, int H8,
+                                                        int c, int is_bf16, float *ol,
+                                                        uint16_t *ol16) {
     float M = -INFINITY;
     for (int s = 0; s < nseg; s++) M = fmaxf(M, parts[s * psize + j]);
-    float l = 0.0f;
+    float l = 0.0f, *tmp = ol + ((int64_t)j * n + i) * c;
     for (int e = 0; e < c; e++) tmp[e] = 0.0f;
     for (int s = 0; s < nseg; s++) {
         const float *p = parts + s * psize;
@@ -173,39 +210,32 @@ static inline __attribute__((always_inline)) void merge_out(
         for (int e = 0; e < c; e++) tmp[e] += w * o[e];
     }
     for (int e = 0; e < c; e++) tmp[e] = round_to(tmp[e] / l, is_bf16);
+    if (ol16)
+        for (int e = 0; e < c; e++) ol16[((int64_t)j * n + i) * c + e] = f32_to_bf16(tmp[e]);
+}
+
+/* Phase 4, fp32 arrays, head j, output elements [v0, v0 + nv) of every row:
+ * out[i, j, vv] = o_lat[i, j] . W_uv[j][vv]. (bf16 arrays take gemv_tiles.h's tiles.) */
+static inline __attribute__((always_inline)) void project_f32(const float *ol, const float *wkvb,
+                                                              int j, int v0, int nv, int n, int h,
+                                                              int nope, int v, int c, float *out) {
     const int64_t w_uv = (int64_t)j * (nope + v) * c + (int64_t)nope * c;
-    for (int vv = 0; vv < v; vv++) {
-        float y = 0.0f;
-        if (is_bf16) {
-            const uint16_t *wr = (const uint16_t *)wkvb + w_uv + (int64_t)vv * c;
+    for (int i = 0; i < n; i++) {
+        const float *x = ol + ((int64_t)j * n + i) * c;
+        for (int vv = v0; vv < v0 + nv; vv++) {
+            const float *wr = wkvb + w_uv + (int64_t)vv * c;
             v8 a0 = V8(0.0f), a1 = V8(0.0f);
             int e = 0;
             for (; e + 16 <= c; e += 16) {
-                a0 += *(const v8 *)(tmp + e) * widen(wr + e);
-                a1 += *(const v8 *)(tmp + e + 8) * widen(wr + e + 8);
+                a0 += *(const v8 *)(x + e) * *(const v8 *)(wr + e);
+                a1 += *(const v8 *)(x + e + 8) * *(const v8 *)(wr + e + 8);
             }
-            for (; e + 8 <= c; e += 8) a0 += *(const v8 *)(tmp + e) * widen(wr + e);
+            for (; e + 8 <= c; e += 8) a0 += *(const v8 *)(x + e) * *(const v8 *)(wr + e);
             a0 += a1;
-            y = HSUM(a0);
-            for (; e < c; e++) y += tmp[e] * bf16_to_f32(wr[e]);
-        } else {
-            const float *wr = (const float *)wkvb + w_uv + (int64_t)vv * c;
-            v8 a0 = V8(0.0f), a1 = V8(0.0f);
-            int e = 0;
-            for (; e + 16 <= c; e += 16) {
-                a0 += *(const v8 *)(tmp + e) * *(const v8 *)(wr + e);
-                a1 += *(const v8 *)(tmp + e + 8) * *(const v8 *)(wr + e + 8);
-            }
-            for (; e + 8 <= c; e += 8) a0 += *(const v8 *)(tmp + e) * *(const v8 *)(wr + e);
-            a0 += a1;
-            y = HSUM(a0);
-            for (; e < c; e++) y += tmp[e] * wr[e];
+            float y = HSUM(a0);
+            for (; e < c; e++) y += x[e] * wr[e];
+            out[((int64_t)i * h + j) * v + vv] = y;
         }
-        const int64_t o = ((int64_t)i * h + j) * v + vv;
-        if (is_bf16)
-            ((uint16_t *)out)[o] = f32_to_bf16(y);
-        else
-            ((float *)out)[o] = y;
     }
 }
 
@@ -216,17 +246,24 @@ CLONES int mla_decode(const void *q_nope, int64_t qn_i, int64_t qn_j, const void
                       const void *wkvb, const void *kv, const int64_t *slots,
                       const uint8_t *valid, int n, int h, int nope, int v, int c, int r, int k,
                       float scale, int is_bf16, void *out, int nthreads) {
+    enum { RB = 4 }; /* rows per phase-1 item */
     const int H8 = (h + 7) & ~7, cr = c + r, nseg = (k + SEG - 1) / SEG;
     const int64_t qsize = (int64_t)cr * H8;                 /* a row's qT */
     const int64_t psize = 2 * H8 + (int64_t)h * c + 8;      /* a segment's part */
-    const int64_t per = (int64_t)SEG * cr + (int64_t)SEG * H8 + c + 8; /* a thread's scratch */
+    const int64_t per = (int64_t)SEG * cr + (int64_t)SEG * H8 + 8; /* a thread's scratch */
+    const int nrb = (n + RB - 1) / RB, nq = (v + 3) / 4;   /* row blocks; quads of outputs */
     const int items = n * (h > nseg ? h : nseg);
     const int nt = nthreads > 1 && items > 1 ? nthreads : 1;
+    /* bf16 arrays: phase 4 is gemv_tiles.h's product (the AVX512-BF16 tiles where the CPU has
+     * them and DIST_GLM5_GEMV_FP32 is unset), o_lat its rows and W_uv its weight rows */
+    const int dot16 = is_bf16 && bf16dot();
     float *qT = malloc(sizeof(float) * ((size_t)n * qsize + 8));
     float *parts = malloc(sizeof(float) * ((size_t)n * nseg * psize + 8));
     float *scratch = malloc(sizeof(float) * ((size_t)per * nt + 8));
-    if (!qT || !parts || !scratch) {
-        free(qT), free(parts), free(scratch);
+    float *ol = malloc(sizeof(float) * ((size_t)n * h * c + 8));
+    uint16_t *ol16 = dot16 ? malloc(sizeof(uint16_t) * ((size_t)n * h * c + 8)) : NULL;
+    if (!qT || !parts || !scratch || !ol || (dot16 && !ol16)) {
+        free(qT), free(parts), free(scratch), free(ol), free(ol16);
         return -1;
     }
     if (H8 != h) memset(qT, 0, sizeof(float) * (size_t)n * qsize); /* padded heads score 0 */
@@ -238,15 +275,27 @@ CLONES int mla_decode(const void *q_nope, int64_t qn_i, int64_t qn_j, const void
 #endif
         float *sc = scratch + per * tid;
 #pragma omp for schedule(static)
-        for (int it = 0; it < n * h; it++) {
-            const int i = it / h, j = it % h;
-            /* a constant dtype per branch: the inner loops specialise and vectorise */
-            if (is_bf16)
-                q_latent(q_nope, qn_i, qn_j, q_rot, wkvb, i, j, h, H8, nope, v, c, r, 1, sc,
-                         qT + i * qsize);
-            else
-                q_latent(q_nope, qn_i, qn_j, q_rot, wkvb, i, j, h, H8, nope, v, c, r, 0, sc,
-                         qT + i * qsize);
+        for (int it = 0; it < nrb * h; it++) {
+            const int i0 = it / h * RB, j = it % h, R = n - i0 < RB ? n - i0 : RB;
+            /* constant dtype and rows per branch: the inner loops specialise and unroll */
+#define Q_LATENT(R_, BF) \
+    q_latent(q_nope, qn_i, qn_j, q_rot, wkvb, i0, R_, j, h, H8, nope, v, c, r, BF, qsize, qT)
+            if (is_bf16) {
+                switch (R) {
+                case 4: Q_LATENT(4, 1); break;
+                case 3: Q_LATENT(3, 1); break;
+                case 2: Q_LATENT(2, 1); break;
+                default: Q_LATENT(1, 1);
+                }
+            } else {
+                switch (R) {
+                case 4: Q_LATENT(4, 0); break;
+                case 3: Q_LATENT(3, 0); break;
+                case 2: Q_LATENT(2, 0); break;
+                default: Q_LATENT(1, 0);
+                }
+            }
+#undef Q_LATENT
         }
 #pragma omp for schedule(static)
         for (int it = 0; it < n * nseg; it++) {
@@ -265,11 +314,25 @@ CLONES int mla_decode(const void *q_nope, int64_t qn_i, int64_t qn_j, const void
             const int i = it / h, j = it % h;
             const float *p = parts + (int64_t)i * nseg * psize;
             if (is_bf16)
-                merge_out(p, psize, nseg, wkvb, i, j, h, H8, nope, v, c, 1, sc, out);
+                merge(p, psize, nseg, i, j, n, H8, c, 1, ol, ol16);
             else
-                merge_out(p, psize, nseg, wkvb, i, j, h, H8, nope, v, c, 0, sc, out);
+                merge(p, psize, nseg, i, j, n, H8, c, 0, ol, NULL);
+        }
+        /* phase 4, (head, quad of outputs): out[:, j, v0 .. v0+4) of every row */
+#pragma omp for schedule(static)
+        for (int it = 0; it < h * nq; it++) {
+            const int j = it / nq, v0 = 4 * (it % nq), nv = v - v0 < 4 ? v - v0 : 4;
+            const int64_t xo = (int64_t)j * n * c, w_uv = (int64_t)j * (nope + v) * c + (int64_t)nope * c;
+            if (dot16)
+                quad16(ol16 + xo, n, c, (const uint16_t *)wkvb + w_uv, v0, nv,
+                       (uint16_t *)out + (int64_t)j * v, h * v);
+            else if (is_bf16)
+                rows(ol + xo, n, c, (const uint16_t *)wkvb + w_uv, v0, nv, NULL,
+                     (uint16_t *)out + (int64_t)j * v, h * v);
+            else
+                project_f32(ol, wkvb, j, v0, nv, n, h, nope, v, c, out);
         }
     }
-    free(qT), free(parts), free(scratch);
+    free(qT), free(parts), free(scratch), free(ol), free(ol16);
     return 0;
 }
