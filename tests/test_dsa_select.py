@@ -40,6 +40,16 @@ def q8_path(request):
     K.force_portable(False)
 
 
+@pytest.fixture(params=["bf16dot", "portable"])
+def bf16_path(request):
+    """bf16 keys (with bf16 queries) through one of the kernel's two paths."""
+    if request.param == "bf16dot" and not K.uses_bf16dot(64):
+        pytest.skip("this CPU has no AVX512-BF16: the portable path is the one it runs")
+    K.force_portable(request.param == "portable")
+    yield request.param
+    K.force_portable(False)
+
+
 def case(L, dtype, integers, n=3, H=8, seed=0):
     g = torch.Generator().manual_seed(L + seed)
     # integers: D = 64 makes the score scale 1/8, so every score is exact in any summation order
@@ -65,7 +75,7 @@ def case(L, dtype, integers, n=3, H=8, seed=0):
 @pytest.mark.parametrize("L", [1, 50, 64, 1000, 5000])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("integers", [False, True])
-def test_fused_selection_equals_the_torch_path(L, dtype, integers):
+def test_fused_selection_equals_the_torch_path(L, dtype, integers, bf16_path):
     assert K.available(), "gcc is on every machine we run on: the kernel must build"
     q, w, store, keys, q_pos, D = case(L, dtype, integers)
     want = torch_path(q, w, store, keys, q_pos, 64, D)
@@ -86,7 +96,7 @@ def test_int8_keys_select_as_the_torch_form(L, integers, q8_path):
 
 @pytest.mark.parametrize("n,H", [(40, 8), (70, 6), (33, 17)])
 @pytest.mark.parametrize("integers", [False, True])
-def test_prefill_rows_and_odd_head_counts_equal_the_torch_path(n, H, integers):
+def test_prefill_rows_and_odd_head_counts_equal_the_torch_path(n, H, integers, bf16_path):
     # H = 6 and 17 leave heads over from the kernel's tile of 4; n > 1 splits rows over threads
     q, w, store, keys, q_pos, D = case(3000, torch.bfloat16, integers, n=n, H=H, seed=n)
     want = torch_path(q, w, store, keys, q_pos, 64, D)
@@ -121,10 +131,28 @@ def test_int8_keys_of_other_widths(q8_path):
             assert torch.equal(a, b), D
 
 
+def test_bf16_keys_of_other_widths_and_fp32_queries(bf16_path):
+    """index_head_dim 128 (GLM-5's), 30 (pairs, not a multiple of 16 dwords) and 33 (odd: the
+    portable path on every CPU); and queries that are not bf16 values (an fp32 model's over a bf16
+    store), which the AVX512-BF16 path would round: the portable path takes them."""
+    for D, qtype in ((128, torch.bfloat16), (30, torch.bfloat16), (33, torch.bfloat16),
+                     (64, torch.float32)):  # fmt: skip
+        g = torch.Generator().manual_seed(D)
+        L, bs = 700, 64
+        keys = KeySlots(torch.randperm(12, generator=g)[:11], bs, L)
+        store = torch.randn(12 * bs, D, generator=g).bfloat16()
+        q, w = torch.randn(2, 5, D, generator=g).to(qtype), torch.rand(2, 5, generator=g)
+        q_pos = torch.tensor([L - 1, 300])
+        want = torch_path(q, w, store, keys, q_pos, 64, D)
+        got = K.select_rows(q, w, store, keys, q_pos, 64, D)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), D
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, "int8"])
 @pytest.mark.parametrize("integers", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_select_many_equals_the_torch_path_per_sequence(dtype, integers, threads):
+def test_select_many_equals_the_torch_path_per_sequence(dtype, integers, threads, bf16_path):
     """A decode batch in one call: sequences of 1, 2 and 3 rows (a decode row, an MTP pair,
     a few rows), some with fewer keys than top-k, their block tables apart in one store: each
     sequence's slots and valid equal the torch path's, padded to top-k."""

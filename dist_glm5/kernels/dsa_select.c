@@ -17,7 +17,9 @@
  * head dimension may differ (so near-ties can in principle select differently: the tests compare
  * the selected keys with the torch path on random data and require them identical).
  * Functions carry target_clones: GCC picks AVX-512 / AVX2+FMA / baseline at load time. The
- * tile is 8 lanes wide on all three (AVX-512 runs it on ymm: one source for every ISA).
+ * tile is 8 lanes wide on all three (AVX-512 runs it on ymm: one source for every ISA). Where
+ * the CPU has them, int8 keys take AVX-512 VNNI and bf16 keys AVX512-BF16 (16 keys a vector, 4x
+ * the products an instruction; below), each with the portable path beside it.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -333,13 +335,95 @@ VNNI static void score_block_vnni(const int32_t *q4, const int32_t *qcorr, const
     }
 }
 
+/* ---- bf16 keys on AVX512-BF16: vdpbf16ps adds 16 lanes' pairs of bf16 products into fp32, 32
+ * products an instruction against the fp32 tiles' 8. Lanes are keys again: transpose16 moves
+ * each key's dims (2p, 2p + 1), one dword, into lane j of vector p, and each (row, head)
+ * broadcasts its query's pair p. Products of bf16 values are exact in fp32, so the dots differ
+ * from the portable path's only in the order of their additions (by pairs), as the fp32 tiles'
+ * already differ from torch's GEMM; the instruction treats subnormal inputs as zero. Taken only
+ * when every query value is a bf16 value (a bf16 model's are), so nothing is rounded. */
+#define BF16DOT                                                                                  \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma")))
+
+/* acc += the 16 lanes' pair dots of k with the query pair at p, broadcast from memory ({1to16}),
+ * as DPBUSD_BCST */
+#define DPBF16_BCST(acc, k, p)                                                                   \
+    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(k), "m"(*(const int32_t *)(p)))
+
+/* NH heads of row r from head h on against the 16 transposed keys kt: relu'd and weighted into
+ * s in head order (the portable path's order). A macro with a constant NH, as VNNI_HEADS. */
+#define BF16_HEADS(NH)                                                                           \
+    do {                                                                                         \
+        const int64_t rh = (int64_t)r * H + h;                                                   \
+        __m512 acc[NH];                                                                          \
+        for (int i = 0; i < NH; i++) acc[i] = zero;                                              \
+        const uint32_t *qh = q2 + rh * P;                                                        \
+        for (int p = 0; p < P; p++)                                                              \
+            for (int i = 0; i < NH; i++) DPBF16_BCST(acc[i], kt[p], qh + i * P + p);            \
+        for (int i = 0; i < NH; i++)                                                             \
+            s = _mm512_fmadd_ps(_mm512_set1_ps(w[rh + i]), _mm512_max_ps(acc[i], zero), s);     \
+    } while (0)
+
+/* score_block for bf16 keys: rows 0..n-1 (q2: each (row, head)'s query as P = D / 2 bf16
+ * pairs; w: the head weights) against the m <= 64 keys from `rows` on (stride 2D bytes). Each
+ * 16 keys are transposed once for all rows. P a constant for the common widths (score_block_bf16),
+ * as vnni_block. */
+BF16DOT static inline __attribute__((always_inline)) void
+bf16_block(const uint32_t *q2, const float *w, int n, int H, const int P, const uint8_t *rows,
+           int m, float *out, int64_t ld, float *mx, int64_t ldm) {
+    const int64_t stride = 4 * (int64_t)P;
+    const __m512 zero = _mm512_setzero_ps();
+    __m512i kt[(P + 15) / 16 * 16];
+    for (int j0 = 0; j0 < m; j0 += 16) {
+        const int nk = m - j0 < 16 ? m - j0 : 16;
+        const uint8_t *kr = rows + j0 * stride;
+        for (int g = 0; g < P; g += 16) transpose16(kr, stride, nk, g, P - g < 16 ? P - g : 16, kt + g);
+        const __mmask16 km = (__mmask16)((1u << nk) - 1);
+        for (int r = 0; r < n; r++) {
+            __m512 s = zero;
+            int h = 0;
+            for (; h + 8 <= H; h += 8) BF16_HEADS(8);
+            for (; h + 2 <= H; h += 2) BF16_HEADS(2);
+            if (h < H) BF16_HEADS(1);
+            _mm512_mask_storeu_ps(out + (int64_t)r * ld + j0, km, s);
+        }
+    }
+    if (mx)
+        for (int r = 0; r < n; r++) {
+            __m512 v = _mm512_set1_ps(-INFINITY);
+            for (int j0 = 0; j0 < m; j0 += 16) {
+                const __mmask16 km = (__mmask16)((1u << (m - j0 < 16 ? m - j0 : 16)) - 1);
+                v = _mm512_mask_max_ps(v, km, v, _mm512_maskz_loadu_ps(km, out + (int64_t)r * ld + j0));
+            }
+            mx[(int64_t)r * ldm] = _mm512_reduce_max_ps(v);
+        }
+}
+
+BF16DOT static void score_block_bf16(const uint32_t *q2, const float *w, int n, int H, int D,
+                                     const uint8_t *rows, int m, float *out, int64_t ld, float *mx,
+                                     int64_t ldm) {
+    switch (D) {
+    case 32: bf16_block(q2, w, n, H, 16, rows, m, out, ld, mx, ldm); break;
+    case 64: bf16_block(q2, w, n, H, 32, rows, m, out, ld, mx, ldm); break;
+    case 128: bf16_block(q2, w, n, H, 64, rows, m, out, ld, mx, ldm); break;
+    default: bf16_block(q2, w, n, H, D / 2, rows, m, out, ld, mx, ldm);
+    }
+}
+
 /* The VNNI path runs where the CPU has it, D is a multiple of 4, and no test forces the
- * portable one (dsa_select_q8_portable). */
-static int q8_portable = 0;
-void dsa_select_q8_portable(int on) { q8_portable = on; }
+ * portable one (dsa_select_portable). */
+static int portable = 0;
+void dsa_select_portable(int on) { portable = on; }
 int dsa_select_q8_vnni(int D) {
-    return !q8_portable && D % 4 == 0 && __builtin_cpu_supports("avx512vnni") &&
+    return !portable && D % 4 == 0 && __builtin_cpu_supports("avx512vnni") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+/* The AVX512-BF16 path for bf16 keys: the CPU has it (and VNNI, for the transpose's target), D is
+ * even and no test forces the portable path. */
+int dsa_select_bf16dot(int D) {
+    return !portable && D % 2 == 0 && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bf16");
 }
 
 /* How many keys the 64-key chunk starting at key j0 of cache block b holds: up to 64, the
@@ -371,11 +455,23 @@ static int scan(const float *q, const float *w, const float *qs, int n, int H, i
         if (!(c = malloc(sizeof(float) * ((size_t)n * H + 1)))) return -2;
         for (int64_t rh = 0; rh < (int64_t)n * H; rh++) c[rh] = w[rh] * qs[rh];
     }
+    /* bf16 keys on AVX512-BF16, when every query value is a bf16 value: the queries as pairs */
+    uint32_t *q2 = NULL;
+    if (kind == KEYS_BF16 && dsa_select_bf16dot(D)) {
+        int exact = 1;
+        for (int64_t i = 0; i < (int64_t)n * H * D && exact; i++)
+            exact = bf16_to_f32(f32_to_bf16(q[i])) == q[i] || q[i] != q[i];
+        if (exact) {
+            if (!(q2 = malloc(sizeof(uint32_t) * ((size_t)n * H * D / 2 + 1)))) return -2;
+            for (int64_t i = 0; i < (int64_t)n * H * D / 2; i++)
+                q2[i] = (uint32_t)f32_to_bf16(q[2 * i]) | (uint32_t)f32_to_bf16(q[2 * i + 1]) << 16;
+        }
+    }
     if (vnni) {
         q8 = malloc((size_t)n * H * D + 1);
         qcorr = malloc(sizeof(int32_t) * ((size_t)n * H + 1));
         if (!q8 || !qcorr) {
-            free(q8), free(qcorr), free(c);
+            free(q8), free(qcorr), free(c), free(q2);
             return -2;
         }
         for (int64_t rh = 0; rh < (int64_t)n * H; rh++) {
@@ -404,6 +500,11 @@ static int scan(const float *q, const float *w, const float *qs, int n, int H, i
                     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p0 + o, 0, 3);
                 }
                 float *mx = bmax ? bmax + j0 / 64 : NULL;
+                if (q2) {
+                    score_block_bf16(q2, w, n, H, D, (const uint8_t *)store + row0 * kb, m,
+                                     scores + j0, L, mx, ldm);
+                    continue;
+                }
                 if (vnni) {
                     score_block_vnni((const int32_t *)q8, qcorr, c, n, H, D,
                                      (const uint8_t *)store + row0 * kb, m, scores + j0, L, mx,
@@ -416,7 +517,7 @@ static int scan(const float *q, const float *w, const float *qs, int n, int H, i
             }
         }
     }
-    free(q8), free(qcorr), free(c);
+    free(q8), free(qcorr), free(c), free(q2);
     return 0;
 }
 

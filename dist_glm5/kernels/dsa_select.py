@@ -36,10 +36,12 @@ def _signatures(lib: ctypes.CDLL) -> None:
     lib.dsa_select.restype = i
     lib.dsa_select_many.argtypes = [p, p, i, p, i, i, p, p, i, p, p, i, p, p, i, p, p, i]
     lib.dsa_select_many.restype = i
-    lib.dsa_select_q8_portable.argtypes = [i]
-    lib.dsa_select_q8_portable.restype = None
+    lib.dsa_select_portable.argtypes = [i]
+    lib.dsa_select_portable.restype = None
     lib.dsa_select_q8_vnni.argtypes = [i]
     lib.dsa_select_q8_vnni.restype = i
+    lib.dsa_select_bf16dot.argtypes = [i]
+    lib.dsa_select_bf16dot.restype = i
 
 
 _kernel = Lazy(SOURCE, _signatures)
@@ -89,13 +91,19 @@ def _inputs(lib, q, w, idx_store, head_dim: int) -> _Inputs:
 
 
 def force_portable(on: bool) -> None:
-    """Int8 keys: take the portable path even where AVX-512 VNNI is (tests compare the two)."""
-    _kernel.get().dsa_select_q8_portable(int(on))
+    """Take the portable path even where AVX-512 VNNI (int8 keys) or AVX512-BF16 (bf16 keys) is
+    (tests compare the paths)."""
+    _kernel.get().dsa_select_portable(int(on))
 
 
 def uses_vnni(head_dim: int) -> bool:
     """Whether int8 keys of this width are scored with AVX-512 VNNI here."""
     return bool(_kernel.get().dsa_select_q8_vnni(head_dim))
+
+
+def uses_bf16dot(head_dim: int) -> bool:
+    """Whether bf16 keys of this width (with bf16-valued queries) are scored with AVX512-BF16."""
+    return bool(_kernel.get().dsa_select_bf16dot(head_dim))
 
 
 def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int, keep=None, mask=True):
