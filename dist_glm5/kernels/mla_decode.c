@@ -110,8 +110,17 @@ static inline __attribute__((always_inline)) void segment(
         for (int j = 0; j < H8; j++) mx[j] = -INFINITY, sum[j] = 0.0f;
         return;
     }
+    /* the selected rows lie anywhere in the cache, where the hardware prefetcher does not
+     * follow: each row's lines are asked for PF rows ahead of its widening */
+    enum { PF = 8 };
+    const int64_t rb = (int64_t)cr * (is_bf16 ? 2 : 4);
+    for (int u = 0; u < n && u < PF; u++)
+        for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch((const char *)kv + sl[t0 + u] * rb + o);
     for (int u = 0; u < n; u++) { /* an invalid key's row: zeros (its weight is 0) */
         float *row = rows + (int64_t)u * cr;
+        if (u + PF < n)
+            for (int64_t o = 0; o < rb; o += 64)
+                __builtin_prefetch((const char *)kv + sl[t0 + u + PF] * rb + o);
         if (!ok[t0 + u]) {
             memset(row, 0, sizeof(float) * cr);
             continue;
