@@ -115,6 +115,22 @@ def test_int8_keys_prefill_rows_and_odd_head_counts(n, H, q8_path):
         assert torch.equal(a, b)
 
 
+def test_the_kernel_quantises_queries_as_index_q8():
+    """Half-way values (x / scale = k + 0.5: nearest even), the clamp at 127, an all-zero row
+    (scale 1), subnormals and huge values: the same ints and scales as index_q8.quantise."""
+    g = torch.Generator().manual_seed(4)
+    rows = [
+        torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 126.5, -126.5, 1.5]),
+        torch.zeros(8),
+        torch.tensor([1e-40, -3e-39, 2e-39, 0.0, 1e-45, -1e-45, 5e-40, 1e-38]),
+        torch.tensor([3e38, -3e38, 1e30, 7.0, -1e38, 2.5e38, 0.0, 1.0]),
+    ]
+    q = torch.cat([torch.stack(rows), torch.randn(60, 8, generator=g) * 10])
+    want_v, want_s = index_q8.quantise(q)
+    got_v, got_s = K.quantise(q)
+    assert torch.equal(got_v, want_v.float()) and torch.equal(got_s, want_s)
+
+
 def test_int8_keys_of_other_widths(q8_path):
     """index_head_dim 128 (GLM-5's) and 132 (past one 64-byte row), and 30 (not a multiple of 4:
     the portable path on every CPU)."""

@@ -38,8 +38,9 @@
 /* v8 (common.h): the tile's accumulators stay in registers */
 
 /* The store's kinds: fp32 or bf16 rows of D values, or int8 rows (quant/index_q8.py: D int8
- * values, then the key's fp32 scale). With int8 keys the queries come quantised the same way: q
- * holds their int8 values as floats and qs [n, H] their scales. Both scales are positive, so they
+ * values, then the key's fp32 scale). With int8 keys the queries are quantised here the same way
+ * (quantise_q: index_q8.quantise's rule, the same ints and scales qs [n, H]; in torch it was 9
+ * eager ops a call, more than the scan of a few thousand keys). Both scales are positive, so they
  * leave the relu: a key's score is
  *   ks * (sum over even h of c[h] * relu(idot[h]) + sum over odd h of the same),  c = w * qs,
  * with idot the exact integer dot (exact in fp32 too: |idot| <= 256 * 127^2 < 2^24), each
@@ -440,7 +441,29 @@ static inline int chunk_keys(int64_t j0, int64_t b, int bs, int64_t L) {
  * second thread for it costs more than it saves). */
 /* bmax (NULL, or [n, ceil(L / 64)] when bs is a multiple of 64): each 64-key block's maximum. */
 #define SCAN_PAR_MIN 16384
-static int scan(const float *q, const float *w, const float *qs, int n, int H, int D,
+/* index_q8.quantise of each (row, head)'s D query values: scale = amax / 127 (1 when amax is 0),
+ * values rint(q / scale) clamped to +-127 (rint: nearest even, as torch.round), into qv (as
+ * floats) and qs. */
+static void quantise_q(const float *q, int64_t rows, int D, float *qv, float *qs) {
+    for (int64_t rh = 0; rh < rows; rh++) {
+        const float *x = q + rh * D;
+        float amax = 0.0f;
+        for (int d = 0; d < D; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+        const float sc = amax > 0.0f ? amax / 127.0f : 1.0f;
+        for (int d = 0; d < D; d++) {
+            const float v = rintf(x[d] / sc);
+            qv[rh * D + d] = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+        }
+        qs[rh] = sc;
+    }
+}
+
+/* quantise_q for the tests (index_q8.quantise's ints and scales, compared) */
+void dsa_select_quantise(const float *q, int64_t rows, int D, float *qv, float *qs) {
+    quantise_q(q, rows, D, qv, qs);
+}
+
+static int scan(const float *q, const float *w, int n, int H, int D,
                 const void *store, int kind, const int64_t *table, int bs, int64_t L,
                 float *scores, float *bmax, int nthreads) {
     const int64_t ldm = (L + 63) / 64;
@@ -451,9 +474,17 @@ static int scan(const float *q, const float *w, const float *qs, int n, int H, i
     int8_t *q8 = NULL;
     int32_t *qcorr = NULL;
     float *c = NULL; /* int8 keys: c = w * qs, the scales folded into the head weights */
+    float *qv = NULL; /* int8 keys: the quantised queries' values; q then points at them */
     if (kind == KEYS_Q8) {
-        if (!(c = malloc(sizeof(float) * ((size_t)n * H + 1)))) return -2;
-        for (int64_t rh = 0; rh < (int64_t)n * H; rh++) c[rh] = w[rh] * qs[rh];
+        c = malloc(sizeof(float) * ((size_t)n * H + 1));
+        qv = malloc(sizeof(float) * ((size_t)n * H * D + 1));
+        if (!c || !qv) {
+            free(c), free(qv);
+            return -2;
+        }
+        quantise_q(q, (int64_t)n * H, D, qv, c);
+        for (int64_t rh = 0; rh < (int64_t)n * H; rh++) c[rh] *= w[rh];
+        q = qv;
     }
     /* bf16 keys on AVX512-BF16, when every query value is a bf16 value: the queries as pairs */
     uint32_t *q2 = NULL;
@@ -462,7 +493,7 @@ static int scan(const float *q, const float *w, const float *qs, int n, int H, i
         for (int64_t i = 0; i < (int64_t)n * H * D && exact; i++)
             exact = bf16_to_f32(f32_to_bf16(q[i])) == q[i] || q[i] != q[i];
         if (exact) {
-            if (!(q2 = malloc(sizeof(uint32_t) * ((size_t)n * H * D / 2 + 1)))) return -2;
+            if (!(q2 = malloc(sizeof(uint32_t) * ((size_t)n * H * D / 2 + 1)))) return -2; /* c, qv: NULL */
             for (int64_t i = 0; i < (int64_t)n * H * D / 2; i++)
                 q2[i] = (uint32_t)f32_to_bf16(q[2 * i]) | (uint32_t)f32_to_bf16(q[2 * i + 1]) << 16;
         }
@@ -471,7 +502,7 @@ static int scan(const float *q, const float *w, const float *qs, int n, int H, i
         q8 = malloc((size_t)n * H * D + 1);
         qcorr = malloc(sizeof(int32_t) * ((size_t)n * H + 1));
         if (!q8 || !qcorr) {
-            free(q8), free(qcorr), free(c), free(q2);
+            free(q8), free(qcorr), free(c), free(qv), free(q2);
             return -2;
         }
         for (int64_t rh = 0; rh < (int64_t)n * H; rh++) {
@@ -517,7 +548,7 @@ static int scan(const float *q, const float *w, const float *qs, int n, int H, i
             }
         }
     }
-    free(q8), free(qcorr), free(c), free(q2);
+    free(q8), free(qcorr), free(c), free(qv), free(q2);
     return 0;
 }
 
@@ -605,7 +636,7 @@ static int64_t select_row(const float *s, int64_t m, int64_t k, const float *bma
 /* Returns 0, or -1 if D > 256. out_pos [n, k] (ascending; the unused tail repeats the first
  * pick), out_cnt [n]; out_slots [n, k] the picks' cache slots (through the block table, the tail
  * likewise) and out_valid [n, k] (1 for the real picks), each when not NULL. */
-int dsa_select(const float *q, const float *w, const float *qs, int n, int H, int D,
+int dsa_select(const float *q, const float *w, int n, int H, int D,
                const void *store, int kind,
                const int64_t *table, int bs, int64_t L, const int64_t *q_pos, int k,
                float *scores, int64_t *out_pos, int32_t *out_cnt, int64_t *out_slots,
@@ -622,7 +653,7 @@ int dsa_select(const float *q, const float *w, const float *qs, int n, int H, in
         if (bs % 64 == 0 &&
             !(bmax = (float *)scratch(SCR_BMAX, sizeof(float) * (size_t)(n * ldm + 1))))
             return -2;
-        if (scan(q, w, qs, n, H, D, store, kind, table, bs, L, scores, bmax, nthreads)) {
+        if (scan(q, w, n, H, D, store, kind, table, bs, L, scores, bmax, nthreads)) {
             scratch_trim(SCR_BMAX);
             return -2;
         }
@@ -662,7 +693,7 @@ int dsa_select(const float *q, const float *w, const float *qs, int n, int H, in
 
 /* Sequence s of dsa_select_many: its rows' selection with nthreads, into the batch's outputs. */
 static int select_seq(const float *q, const float *w, int s, const int32_t *row_off, int H, int D,
-                      const float *qs, const void *store, int kind, const int64_t *tables,
+                      const void *store, int kind, const int64_t *tables,
                       const int64_t *tab_off,
                       int bs, const int64_t *Ls, const int64_t *q_pos, int topk,
                       int64_t *out_slots, uint8_t *out_valid, int nthreads) {
@@ -677,7 +708,7 @@ static int select_seq(const float *q, const float *w, int s, const int32_t *row_
     int rc = -2;
     if (scores && pos && cnt && slots && valid)
         rc = dsa_select(q + (int64_t)r0 * H * D, w + (int64_t)r0 * H,
-                        qs ? qs + (int64_t)r0 * H : NULL, n, H, D, store, kind,
+                        n, H, D, store, kind,
                         tables + tab_off[s], bs, L, q_pos + r0, k, scores, pos, cnt, slots,
                         valid, nthreads);
     if (rc == 0)
@@ -702,19 +733,19 @@ static int select_seq(const float *q, const float *w, int s, const int32_t *row_
  * sequences go over threads, each one's selection on one thread (one sequence: all threads).
  * Returns 0, -1 (index_head_dim > 256) or -2 (out of memory). */
 int dsa_select_many(const float *q, const float *w, int S, const int32_t *row_off, int H, int D,
-                    const float *qs, const void *store, int kind, const int64_t *tables,
+                    const void *store, int kind, const int64_t *tables,
                     const int64_t *tab_off,
                     int bs, const int64_t *Ls, const int64_t *q_pos, int topk, int64_t *out_slots,
                     uint8_t *out_valid, int nthreads) {
     if (D > 256) return -1;
     if (S == 1) /* not inside a region of one thread: the scan's own region would then be a
                  * nested team, new threads each call (3 ms a call at 2 threads, measured) */
-        return select_seq(q, w, 0, row_off, H, D, qs, store, kind, tables, tab_off, bs, Ls, q_pos,
+        return select_seq(q, w, 0, row_off, H, D, store, kind, tables, tab_off, bs, Ls, q_pos,
                           topk, out_slots, out_valid, nthreads);
     int failed = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
     for (int s = 0; s < S; s++)
-        failed |= select_seq(q, w, s, row_off, H, D, qs, store, kind, tables, tab_off, bs, Ls, q_pos,
+        failed |= select_seq(q, w, s, row_off, H, D, store, kind, tables, tab_off, bs, Ls, q_pos,
                              topk, out_slots, out_valid, 1) != 0;
     return failed ? -2 : 0;
 }

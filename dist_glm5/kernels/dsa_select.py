@@ -32,9 +32,9 @@ _scratch = threading.local()  # per thread: the scores buffer, kept between call
 
 def _signatures(lib: ctypes.CDLL) -> None:
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.dsa_select.argtypes = [p, p, p, i, i, i, p, i, p, i, i64, p, i, p, p, p, p, p, i]
+    lib.dsa_select.argtypes = [p, p, i, i, i, p, i, p, i, i64, p, i, p, p, p, p, p, i]
     lib.dsa_select.restype = i
-    lib.dsa_select_many.argtypes = [p, p, i, p, i, i, p, p, i, p, p, i, p, p, i, p, p, i]
+    lib.dsa_select_many.argtypes = [p, p, i, p, i, i, p, i, p, p, i, p, p, i, p, p, i]
     lib.dsa_select_many.restype = i
     lib.dsa_select_portable.argtypes = [i]
     lib.dsa_select_portable.restype = None
@@ -42,6 +42,8 @@ def _signatures(lib: ctypes.CDLL) -> None:
     lib.dsa_select_q8_vnni.restype = i
     lib.dsa_select_bf16dot.argtypes = [i]
     lib.dsa_select_bf16dot.restype = i
+    lib.dsa_select_quantise.argtypes = [p, i64, i, p, p]
+    lib.dsa_select_quantise.restype = None
 
 
 _kernel = Lazy(SOURCE, _signatures)
@@ -64,30 +66,31 @@ def _scores(n: int, L: int) -> torch.Tensor:
 
 
 class _Inputs(NamedTuple):
-    q: torch.Tensor  # [n, Hi, D] fp32 (int8 keys: the quantised queries' values)
+    q: torch.Tensor  # [n, Hi, D] fp32 (int8 keys: the kernel quantises them, as index_q8.quantise)
     w: torch.Tensor  # [n, Hi] fp32, scaled by D**-0.5
-    qs: torch.Tensor | None  # [n, Hi] the queries' scales (int8 keys), else None
     store: torch.Tensor
     kind: int
 
-    @property
-    def qs_ptr(self) -> int:
-        return 0 if self.qs is None else self.qs.data_ptr()
-
 
 def _inputs(lib, q, w, idx_store, head_dim: int) -> _Inputs:
-    """What both entry points hand the kernel. Int8 keys (quant/index_q8.py): the queries are
-    quantised here, by the function the torch path scores with."""
+    """What both entry points hand the kernel."""
     if lib is None or idx_store.dtype not in index_q8.KERNEL_KINDS:
         raise RuntimeError("dsa_select kernel unavailable: use the torch path")
-    qs = None
-    if index_q8.is_store(idx_store):
-        q8, qs = index_q8.quantise(q)
-        q, qs = q8, qs.contiguous()
     qf = q.float().contiguous()
     wf = (w.float() * head_dim**-0.5).contiguous()
     store = idx_store if idx_store.is_contiguous() else idx_store.contiguous()
-    return _Inputs(qf, wf, qs, store, index_q8.KERNEL_KINDS[idx_store.dtype])
+    return _Inputs(qf, wf, store, index_q8.KERNEL_KINDS[idx_store.dtype])
+
+
+def quantise(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's own quantisation of int8-key queries, q [..., D] fp32 -> (values [..., D] as
+    fp32, scales [...]): index_q8.quantise's (the tests compare them)."""
+    q = q.float().contiguous()
+    qv, qs = torch.empty_like(q), torch.empty(q.shape[:-1])
+    _kernel.get().dsa_select_quantise(
+        q.data_ptr(), qs.numel(), q.shape[-1], qv.data_ptr(), qs.data_ptr()
+    )
+    return qv, qs
 
 
 def force_portable(on: bool) -> None:
@@ -127,7 +130,6 @@ def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int, keep=Non
     rc = lib.dsa_select(
         a.q.data_ptr(),
         a.w.data_ptr(),
-        a.qs_ptr,
         n,
         H,
         D,
@@ -166,7 +168,7 @@ def select_many(q, w, idx_store, rows, topk: int, head_dim: int):
     valid = torch.empty(R, topk, dtype=torch.bool)
     rc = lib.dsa_select_many(
         a.q.data_ptr(), a.w.data_ptr(), len(rows.lengths), rows.row_off.data_ptr(), H, D,
-        a.qs_ptr, a.store.data_ptr(), a.kind, rows.tables.data_ptr(),
+        a.store.data_ptr(), a.kind, rows.tables.data_ptr(),
         rows.tab_off.data_ptr(), rows.block_size, rows.lengths.data_ptr(), rows.q_pos.data_ptr(),
         topk, slots.data_ptr(), valid.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
