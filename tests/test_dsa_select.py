@@ -30,24 +30,23 @@ def _store(x: torch.Tensor, dtype) -> torch.Tensor:
     return index_q8.pack(x.float()) if dtype == "int8" else x.to(dtype)
 
 
-@pytest.fixture(params=["vnni", "portable"])
-def q8_path(request):
-    """Int8 keys through one of the kernel's two paths."""
-    if request.param == "vnni" and not K.uses_vnni(64):
-        pytest.skip("this CPU has no AVX-512 VNNI: the portable path is the one it runs")
-    K.force_portable(request.param == "portable")
-    yield request.param
-    K.force_portable(False)
+def _kernel_path(fast: str, uses):
+    """A fixture running a test on the kernel's `fast` path (skipped where this CPU lacks it)
+    and on its portable one."""
+
+    @pytest.fixture(params=[fast, "portable"])
+    def path(request):
+        if request.param == fast and not uses(64):
+            pytest.skip(f"this CPU has no {fast}: the portable path is the one it runs")
+        K.force_portable(request.param == "portable")
+        yield request.param
+        K.force_portable(False)
+
+    return path
 
 
-@pytest.fixture(params=["bf16dot", "portable"])
-def bf16_path(request):
-    """bf16 keys (with bf16 queries) through one of the kernel's two paths."""
-    if request.param == "bf16dot" and not K.uses_bf16dot(64):
-        pytest.skip("this CPU has no AVX512-BF16: the portable path is the one it runs")
-    K.force_portable(request.param == "portable")
-    yield request.param
-    K.force_portable(False)
+q8_path = _kernel_path("vnni", K.uses_vnni)  # int8 keys: AVX-512 VNNI or portable
+bf16_path = _kernel_path("bf16dot", K.uses_bf16dot)  # bf16 keys, bf16 queries: AVX512-BF16
 
 
 def case(L, dtype, integers, n=3, H=8, seed=0):

@@ -253,6 +253,20 @@ VNNI static void transpose16(const uint8_t *rows, int64_t stride, int nk, int g,
     }
 }
 
+/* The chunk's maximum per row (mx[r * ldm]) from its m stored scores (out, row stride ld). */
+VNNI static inline __attribute__((always_inline)) void stored_max(const float *out, int64_t ld,
+                                                                  int n, int m, float *mx,
+                                                                  int64_t ldm) {
+    for (int r = 0; r < n; r++) {
+        __m512 v = _mm512_set1_ps(-INFINITY);
+        for (int j0 = 0; j0 < m; j0 += 16) {
+            const __mmask16 km = (__mmask16)((1u << (m - j0 < 16 ? m - j0 : 16)) - 1);
+            v = _mm512_mask_max_ps(v, km, v, _mm512_maskz_loadu_ps(km, out + (int64_t)r * ld + j0));
+        }
+        mx[(int64_t)r * ldm] = _mm512_reduce_max_ps(v);
+    }
+}
+
 /* acc += the 16 lanes' u8 x s8 dots of k with the 4 query bytes at p, broadcast from memory
  * ({1to16}). gcc's intrinsic form loads each broadcast into a register and copies the
  * accumulators around it: twice the instructions, and the loop ran at half the VNNI rate. */
@@ -314,15 +328,7 @@ vnni_block(const int32_t *q4, const int32_t *qcorr, const float *c, int n, int H
                                   _mm512_mul_ps(_mm512_add_ps(s0, s1), ks));
         }
     }
-    if (mx) /* the chunk's maximum per row, from its stored scores */
-        for (int r = 0; r < n; r++) {
-            __m512 v = _mm512_set1_ps(-INFINITY);
-            for (int j0 = 0; j0 < m; j0 += 16) {
-                const __mmask16 km = (__mmask16)((1u << (m - j0 < 16 ? m - j0 : 16)) - 1);
-                v = _mm512_mask_max_ps(v, km, v, _mm512_maskz_loadu_ps(km, out + (int64_t)r * ld + j0));
-            }
-            mx[(int64_t)r * ldm] = _mm512_reduce_max_ps(v);
-        }
+    if (mx) stored_max(out, ld, n, m, mx, ldm);
 }
 
 VNNI static void score_block_vnni(const int32_t *q4, const int32_t *qcorr, const float *c, int n,
@@ -343,7 +349,7 @@ VNNI static void score_block_vnni(const int32_t *q4, const int32_t *qcorr, const
  * from the portable path's only in the order of their additions (by pairs), as the fp32 tiles'
  * already differ from torch's GEMM; the instruction treats subnormal inputs as zero. Taken only
  * when every query value is a bf16 value (a bf16 model's are), so nothing is rounded. */
-#define BF16DOT                                                                                  \
+#define VNNI_BF16                                                                                \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma")))
 
 /* acc += the 16 lanes' pair dots of k with the query pair at p, broadcast from memory ({1to16}),
@@ -369,7 +375,7 @@ VNNI static void score_block_vnni(const int32_t *q4, const int32_t *qcorr, const
  * pairs; w: the head weights) against the m <= 64 keys from `rows` on (stride 2D bytes). Each
  * 16 keys are transposed once for all rows. P a constant for the common widths (score_block_bf16),
  * as vnni_block. */
-BF16DOT static inline __attribute__((always_inline)) void
+VNNI_BF16 static inline __attribute__((always_inline)) void
 bf16_block(const uint32_t *q2, const float *w, int n, int H, const int P, const uint8_t *rows,
            int m, float *out, int64_t ld, float *mx, int64_t ldm) {
     const int64_t stride = 4 * (int64_t)P;
@@ -389,18 +395,10 @@ bf16_block(const uint32_t *q2, const float *w, int n, int H, const int P, const 
             _mm512_mask_storeu_ps(out + (int64_t)r * ld + j0, km, s);
         }
     }
-    if (mx)
-        for (int r = 0; r < n; r++) {
-            __m512 v = _mm512_set1_ps(-INFINITY);
-            for (int j0 = 0; j0 < m; j0 += 16) {
-                const __mmask16 km = (__mmask16)((1u << (m - j0 < 16 ? m - j0 : 16)) - 1);
-                v = _mm512_mask_max_ps(v, km, v, _mm512_maskz_loadu_ps(km, out + (int64_t)r * ld + j0));
-            }
-            mx[(int64_t)r * ldm] = _mm512_reduce_max_ps(v);
-        }
+    if (mx) stored_max(out, ld, n, m, mx, ldm);
 }
 
-BF16DOT static void score_block_bf16(const uint32_t *q2, const float *w, int n, int H, int D,
+VNNI_BF16 static void score_block_bf16(const uint32_t *q2, const float *w, int n, int H, int D,
                                      const uint8_t *rows, int m, float *out, int64_t ld, float *mx,
                                      int64_t ldm) {
     switch (D) {
