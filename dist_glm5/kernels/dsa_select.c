@@ -413,16 +413,16 @@ VNNI_BF16 static void score_block_bf16(const uint32_t *q2, const float *w, int n
  * portable one (dsa_select_portable). */
 static int portable = 0;
 void dsa_select_portable(int on) { portable = on; }
-int dsa_select_q8_vnni(int D) {
-    return !portable && D % 4 == 0 && __builtin_cpu_supports("avx512vnni") &&
+/* The VNNI target's ISA is here and no test forces the portable path. */
+static int vnni_here(void) {
+    return !portable && __builtin_cpu_supports("avx512vnni") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
+int dsa_select_q8_vnni(int D) { return D % 4 == 0 && vnni_here(); }
 /* The AVX512-BF16 path for bf16 keys: the CPU has it (and VNNI, for the transpose's target), D is
  * even and no test forces the portable path. */
 int dsa_select_bf16dot(int D) {
-    return !portable && D % 2 == 0 && __builtin_cpu_supports("avx512vnni") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bf16");
+    return D % 2 == 0 && vnni_here() && __builtin_cpu_supports("avx512bf16");
 }
 
 /* How many keys the 64-key chunk starting at key j0 of cache block b holds: up to 64, the

@@ -39,6 +39,7 @@
 #endif
 
 enum { SEG = 64, KB = 8 }; /* selected keys per work item; keys scored together */
+enum { RB = 4 };          /* rows per phase-1 item (q_latent's R at most) */
 
 /* element e of a bf16 (is_bf16) or fp32 array, as fp32 */
 static inline float at(const void *p, int64_t e, int is_bf16) {
@@ -57,7 +58,7 @@ static inline __attribute__((always_inline)) void q_latent(
     const void *q_nope, int64_t qn_i, int64_t qn_j, const void *q_rot, const void *wkvb, int i0,
     int R, int j, int h, int H8, int nope, int v, int c, int r, int is_bf16, int64_t qsize,
     float *qT) {
-    enum { E = 32, RB = 4 }; /* elements of e per pass; rows at most */
+    enum { E = 32 }; /* elements of e per pass */
     const int64_t w_uk = (int64_t)j * (nope + v) * c;
     for (int e0 = 0; e0 < c; e0 += E) {
         const int ne = c - e0 < E ? c - e0 : E;
@@ -255,7 +256,6 @@ CLONES int mla_decode(const void *q_nope, int64_t qn_i, int64_t qn_j, const void
                       const void *wkvb, const void *kv, const int64_t *slots,
                       const uint8_t *valid, int n, int h, int nope, int v, int c, int r, int k,
                       float scale, int is_bf16, void *out, int nthreads) {
-    enum { RB = 4 }; /* rows per phase-1 item */
     const int H8 = (h + 7) & ~7, cr = c + r, nseg = (k + SEG - 1) / SEG;
     const int64_t qsize = (int64_t)cr * H8;                 /* a row's qT */
     const int64_t psize = 2 * H8 + (int64_t)h * c + 8;      /* a segment's part */
