@@ -17,6 +17,7 @@ from dist_glm5.model.config import ModelConfig
 from dist_glm5.model.dsa import DSAConfig, gather_plan
 from dist_glm5.model.kv_cache import Chunk
 from dist_glm5.model.reference_loop import full_logits, generate
+from dist_glm5.ops import reference_ops
 from dist_glm5.ops.indexer import select_topk_reference
 from dist_glm5.ops.topk import kth_largest_bisect, pack_mask, select_topk_bisect, unpack_mask
 from dist_glm5.sampling.params import SamplingParams
@@ -171,11 +172,16 @@ class CacheReads(TorchDispatchMode):
 def _cache_reads_of_a_run(model_dir, cap):
     """Prefill two prompts (250 and 90 tokens, one forward) and decode 4 greedy steps on the
     sparse path with the given gather cap, recording every materialised cache read. The torch
-    selection path (ranks that split rows take it), which gathers index keys: the fused kernel
-    reads them in place, 64 rows at a time, and materialises none."""
+    forms of the selection (ranks that split rows take it) and of the attention (no C kernel),
+    which gather index keys and cache rows: the C kernels read both in place and materialise
+    none."""
     m = load_model(
         model_dir,
-        ops=dataclasses.replace(get_backend("cpu").ops(), select_rows=None),
+        ops=dataclasses.replace(
+            get_backend("cpu").ops(),
+            select_rows=None,
+            absorbed_gathered=reference_ops().absorbed_gathered,
+        ),
         dsa=DSAConfig(
             mode="sparse", dense_threshold=0, window=8, gather_cap_bytes=cap, indexer_row_chunk=7
         ),

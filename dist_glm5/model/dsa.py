@@ -179,25 +179,18 @@ def sparse_prefill(
     q_rot: torch.Tensor,
     kv_store: torch.Tensor,
     keys: KeySlots,
-    keep: torch.Tensor | None,
+    keep: torch.Tensor,
     kv_lora: int,
     scale: float,
     cfg: DSAConfig,
     ops: Ops,
     topk: int | None = None,
-    slots: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Prefill rows [n] over L keys (at most `topk` kept per row): each row over its own
-    selected rows ("rows"), or per window the union of selections, or dense with the mask
-    ("windows", by the backend's attend_absorbed_chunked). slots: (slots, valid) of `keep`
-    when the selection already listed them (select_fused); then "rows" needs no keep (None)."""
+    """Prefill rows [n] over L keys (at most `topk` kept per row), the "windows" form: per window
+    the union of selections, or dense with the mask (by the backend's attend_absorbed_chunked).
+    The "rows" form is the decode call's (model/mla.py: each row over its own selected rows)."""
     n, L = q_lat.shape[0], len(keys)
     attend_absorbed_chunked = ops.attend_absorbed_chunked
-    if cfg.prefill_attention == "rows":  # each query over its own selected rows: cost ~ top-k
-        slots, valid = slots if slots is not None else selected_slots(keep, keys, topk)
-        return ops.attend_gathered(
-            q_lat, q_rot, kv_store, slots, valid, kv_lora, scale, cfg.gather_cap_bytes
-        )
     out = torch.empty(n, q_lat.shape[1], q_lat.shape[2], device=q_lat.device)
     for a in range(0, n, cfg.window):
         b = min(n, a + cfg.window)

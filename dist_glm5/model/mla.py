@@ -285,6 +285,10 @@ class MLA(nn.Module):
             if small and self._batched(a, gi):
                 keeps.append(self._decode_group(a, g, gi, out))
                 continue
+            # prefill "rows" attends as decode does, one call for the group's rows: the math of
+            # dsa.sparse_prefill's rows form (W_uk, each row's own keys, W_uv), the backend's
+            # decode kernel instead of a [rows, top-k] gather of the cache per row
+            rows = small or self.dsa.prefill_attention == "rows"
             gkeep, dec_slots, dec_ok, toks_all = [], [], [], []
             for bi in range(g.tok.shape[0]):
                 # the real rows are a prefix of the padded ones: a slice, not a boolean mask
@@ -315,7 +319,7 @@ class MLA(nn.Module):
                 keep = chosen.keep
                 listed = (chosen.slots, chosen.valid) if chosen.slots is not None else None
                 gkeep.append(chosen)
-                if small:  # decode: gather exactly each row's selected keys
+                if rows:  # decode, or prefill by rows: exactly each row's selected keys
                     s_, ok = listed or dsa.selected_slots(keep, keys, self.topk)
                     pad = self.topk - s_.shape[1]
                     if pad:
@@ -337,10 +341,9 @@ class MLA(nn.Module):
                         self.dsa,
                         self.ops,
                         self.topk,
-                        listed,
                     )
                     out[toks] = self.ops.einsum("nhc,hvc->nhv", o_lat.to(out.dtype), w_uv)
-            if small:  # every decode row of the group in one call: W_uk, attention, W_uv
+            if rows:  # every such row of the group in one call: W_uk, attention, W_uv
                 one = len(toks_all) == 1
                 toks = toks_all[0] if one else torch.cat(toks_all)
                 out[toks] = self._attend_decode(
