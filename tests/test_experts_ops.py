@@ -65,19 +65,41 @@ def test_the_cpu_backend_chooses_the_kernel_and_the_model_runs_it(mx_dir):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp4_model_greedy_tokens_kernel_equal_reference(mx_dir, dtype):
-    cpu = get_backend("cpu").ops()
+    cpu, routes_fast = _recording(get_backend("cpu").ops())
     fast = load_model(mx_dir, dtype=dtype, ops=cpu)
     # the reference experts, the rest as the CPU backend runs it (its bf16 products in fp32 on
     # a CPU without bf16 GEMM: tests/test_linear.py checks those against torch's own), so that
     # the experts op is the one thing compared
-    ref_ops = dataclasses.replace(reference_ops(), linear=cpu.linear, einsum=cpu.einsum)
+    ref_ops, routes_ref = _recording(
+        dataclasses.replace(reference_ops(), linear=cpu.linear, einsum=cpu.einsum)
+    )
     ref = load_model(mx_dir, dtype=dtype, ops=ref_ops)
     assert fast.ops.experts.name == "cpu-kernel" and ref.ops.experts.name == "reference"
     want = [g.token_ids for g in generate(ref, PROMPTS, GREEDY)]
     assert [g.token_ids for g in generate(fast, PROMPTS, GREEDY)] == want
+    routes_fast.clear(), routes_ref.clear()
     a, b = full_logits(fast, PROMPTS[2]), full_logits(ref, PROMPTS[2])
+    # a row the router sent elsewhere in some layer (a near-tie of its top-k moved by the last
+    # bit of a bf16 value, from the order of the products' additions) is not the experts' error;
+    # in fp32 no row may be
+    same = torch.stack(
+        [(x.sort(-1).values == y.sort(-1).values).all(-1) for x, y in zip(routes_fast, routes_ref)]
+    ).all(0)
+    assert (~same).sum() <= (0 if dtype == torch.float32 else 2), (~same).nonzero().flatten()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    assert (a - b).abs().max() <= tol * b.abs().max(), (a - b).abs().max()
+    err = (a - b)[same].abs().max()
+    assert err <= tol * b.abs().max(), err
+
+
+def _recording(ops):
+    """ops whose MXFP4 experts op also records the expert ids of each call, and that list."""
+    routes = []
+
+    def mxfp4(x, ids, *args):
+        routes.append(ids.clone())
+        return ops.experts.mxfp4(x, ids, *args)
+
+    return dataclasses.replace(ops, experts=dataclasses.replace(ops.experts, mxfp4=mxfp4)), routes
 
 
 def test_fallback_runs_without_the_kernel(mx_dir):

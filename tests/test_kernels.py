@@ -278,6 +278,36 @@ def test_decode_matches_oracle_bit_for_bit(isa):
     )
 
 
+def test_gemm_threshold_by_code_path_and_vendor(kernel, monkeypatch):
+    """MKL (torch's fp32 GEMM) runs AVX-512 code on Intel CPUs only: elsewhere the AVX-512 paths
+    keep every expert in the fused kernel; AVX2 and scalar keep the table, as does a CPU whose
+    vendor cannot be read."""
+    T = K.GEMM_MIN_ROUTES
+    for isa in K.ISA_NAMES:
+        assert K.default_gemm_min_routes(isa, "GenuineIntel") == T[isa]
+        assert K.default_gemm_min_routes(isa, "") == T[isa]
+        want = K.NEVER if isa.startswith("avx512") else T[isa]
+        assert K.default_gemm_min_routes(isa, "AuthenticAMD") == want
+    # the forward follows it: 40 routes to each of 2 experts, threshold 32 (Intel's avx2 table
+    # figure stands in), then an AMD vendor on an AVX-512 path
+    E, H, I = 2, 64, 32
+    w = make_experts(E, H, I, seed=11)
+    x = torch.randn(80, H)
+    ids = (torch.arange(80) % E).int()[:, None]
+    tw = torch.rand(80, 1)
+    gemm_calls = []
+    real = K._gemm_experts
+    monkeypatch.setattr(K, "_gemm_experts", lambda *a: gemm_calls.append(a[4]) or real(*a))
+    monkeypatch.setitem(K.GEMM_MIN_ROUTES, K._isa, 32)
+    monkeypatch.setattr(K, "cpu_vendor", lambda: "GenuineIntel")
+    want = oracle_moe(x, ids, tw, *w, 0, E - 1)
+    assert_close(K.moe_mxfp4(x, ids, tw, *w, 0, E - 1), want)
+    assert gemm_calls == [[0, 1]]
+    monkeypatch.setattr(K, "cpu_vendor", lambda: "AuthenticAMD")
+    assert_close(K.moe_mxfp4(x, ids, tw, *w, 0, E - 1), want)
+    assert gemm_calls == [[0, 1]] * (1 if K._isa.startswith("avx512") else 2)
+
+
 def test_bad_shapes_are_refused(kernel):
     w13, s13, w2, s2 = make_experts(2, 64, 32)
     x, (ids, tw) = torch.randn(3, 64), routes(3, 2, 0, 1)

@@ -18,7 +18,8 @@ Two paths, chosen per expert by how many routes it has in the call:
   AVX512-BF16 and bf16 x, gate/up take vdpbf16ps where that is exact, see mxfp4_moe.c).
 - at least `GEMM_MIN_ROUTES` (prefill): the expert is decoded by the C decoder a 4 MiB fp32
   tile at a time and each tile multiplied with torch (MKL), which has the faster GEMM once
-  enough tokens share the decode.
+  enough tokens share the decode. Not on the AVX-512 paths of a CPU where MKL runs its AVX2
+  code (any but Intel's: `default_gemm_min_routes`).
 The plain torch loop both are checked against is ops/experts.py's `experts_mxfp4_reference`;
 kernels/ imports nothing of ops/ (the seam picks the kernel, not the other way round), so a caller
 that wants a fallback when the kernel is unavailable (no compiler, build failure, or
@@ -28,6 +29,7 @@ DIST_GLM5_KERNELS=0) passes it in (`fallback=`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 from pathlib import Path
@@ -53,6 +55,11 @@ ISA_ENV = "DIST_GLM5_MXFP4_ISA"
 # threads: GLM-5 19.0 vs 18.2 at 24, 25.2 vs 20.3 at 32; small 0.86 vs 0.86 at 24. The scalar
 # path is ~10x slower than AVX2, so there the GEMM wins from a few tokens.
 GEMM_MIN_ROUTES = {"scalar": 4, "avx2": 24, "avx512": 64, "avx512bf16": 64}
+# torch's fp32 GEMM is MKL's, which runs its AVX-512 code on Intel CPUs only: on an AMD Zen 5 it
+# ran at AVX2 speed (215 GFLOP/s on 2 threads, oneDNN's AVX-512 GEMM 470), and the fused kernel's
+# AVX-512 paths beat decode + GEMM at every size measured (small model, 16-2048 routes to one
+# expert, fp32 and bf16 x, 1 and 2 threads: 1.5-2.3x). There the AVX-512 paths never take it.
+MKL_AVX512_VENDORS = ("GenuineIntel",)
 
 _isa = "scalar"  # the kernel's code path in use
 
@@ -247,11 +254,35 @@ def _gemm_experts(
         out.index_add_(0, tok, y.t() * tw[tok, slot, None])
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor string (cpuid's, as /proc/cpuinfo gives it); "" when unreadable."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def default_gemm_min_routes(isa: str, vendor: str) -> int:
+    """GEMM_MIN_ROUTES of a code path, unless torch's GEMM lacks AVX-512 where the path has it
+    (an unknown vendor keeps the table's figure)."""
+    if isa.startswith("avx512") and vendor and vendor not in MKL_AVX512_VENDORS:
+        return NEVER
+    return GEMM_MIN_ROUTES[isa]
+
+
+NEVER = 2**31 - 1  # the kernel's int: no expert takes the GEMM path
+
+
 def gemm_threshold(gemm_min_routes: int | None = None) -> int:
     """Routes from which an expert takes the decode + GEMM path (moe_mxfp4's gemm_min_routes;
-    None: GEMM_MIN_ROUTES of the code path in use), as the kernel's int."""
-    thr = GEMM_MIN_ROUTES[_isa] if gemm_min_routes is None else gemm_min_routes
-    return min(max(thr, 1), 2**31 - 1)
+    None: the default of the code path in use on this CPU), as the kernel's int."""
+    if gemm_min_routes is None:
+        return default_gemm_min_routes(_isa, cpu_vendor())
+    return min(max(gemm_min_routes, 1), NEVER)
 
 
 def moe_mxfp4(
@@ -271,7 +302,7 @@ def moe_mxfp4(
     """The routed experts of this rank (contract in the module docstring).
 
     gemm_min_routes: experts with at least this many routes in the call go through
-    decode + torch GEMM (default GEMM_MIN_ROUTES of the code path in use; a huge value forces
+    decode + torch GEMM (default: default_gemm_min_routes on this CPU; a huge value forces
     the fused kernel, 1 the GEMM path).
     fallback: what runs, after the same checks, when the kernel is unavailable (same arguments,
     without gemm_min_routes; e.g. ops/experts.experts_mxfp4_reference). None: that is an error.
