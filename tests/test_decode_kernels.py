@@ -139,8 +139,9 @@ def test_mla_decode_is_the_torch_form(dtype):
 
 def test_mla_decode_bits_ignore_threads_and_batch():
     """The selected keys go over threads in segments of a fixed size, merged in order: a row's
-    bits are the same at any thread count and alone or in a batch. k = 150 leaves a short last
-    segment; a row whose first 64 keys are all invalid has a segment with no valid key."""
+    bits are the same at any thread count, alone, in a batch or in capped calls. k = 150 leaves
+    a short last segment; a row whose first 64 keys are all invalid has a segment with no valid
+    key."""
     qn, qr, w, kv, slots, valid, nope = _decode_case(torch.bfloat16, n=4, k=150, seed=3)
     valid[2, :64] = False
     valid[2, 100] = True
@@ -149,16 +150,25 @@ def test_mla_decode_bits_ignore_threads_and_batch():
         outs = []
         for t in (1, 2):
             torch.set_num_threads(t)
-            outs.append(mla_decode.absorbed_gathered(qn, qr, w, kv, slots, valid, nope, 0.1, 0))
+            outs.append(
+                mla_decode.absorbed_gathered(qn, qr, w, kv, slots, valid, nope, 0.1, 1 << 29)
+            )
             for i in range(4):
                 alone = mla_decode.absorbed_gathered(
                     qn[i : i + 1], qr[i : i + 1], w, kv, slots[i : i + 1], valid[i : i + 1],
-                    nope, 0.1, 0,
+                    nope, 0.1, 1 << 29,
                 )  # fmt: skip
                 assert torch.equal(alone[0], outs[0][i])
     finally:
         torch.set_num_threads(n_threads)
     assert torch.equal(outs[0], outs[1])
+    # a cap of one row's scratch: a call per row (as a prefill chunk's rows go), the same bits;
+    # under one row's it says so
+    row = mla_decode._kernel.get().mla_decode_row_bytes(8, 128, 32, 150, 1)
+    capped = mla_decode.absorbed_gathered(qn, qr, w, kv, slots, valid, nope, 0.1, row)
+    assert torch.equal(capped, outs[0])
+    with pytest.raises(ValueError, match="exceeds the cap"):
+        mla_decode.absorbed_gathered(qn, qr, w, kv, slots, valid, nope, 0.1, row - 1)
     want = attention.absorbed_gathered(
         qn, qr, w, kv, slots, valid, nope, 0.1, 1 << 29, einsum=einsum_fp32_gemm
     )

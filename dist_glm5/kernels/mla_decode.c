@@ -249,6 +249,14 @@ static inline __attribute__((always_inline)) void project_f32(const float *ol, c
     }
 }
 
+/* Bytes of mla_decode's scratch per query row (qT, parts, ol, ol16 below), which callers keep
+ * under their cap by the rows they pass a call. */
+CLONES int64_t mla_decode_row_bytes(int h, int c, int r, int k, int is_bf16) {
+    const int64_t H8 = (h + 7) & ~7, nseg = (k + SEG - 1) / SEG;
+    const int64_t floats = (c + r) * H8 + nseg * (2 * H8 + (int64_t)h * c + 8) + (int64_t)h * c;
+    return 4 * floats + (is_bf16 && bf16dot() ? 2 * (int64_t)h * c : 0);
+}
+
 /* q_nope [n, h, nope] (strides qn_i, qn_j; last dim contiguous), q_rot [n, h, r] contiguous,
  * wkvb [h*(nope+v), c], kv [S, c+r], slots/valid [n, k], out [n, h, v] contiguous; all float
  * arrays bf16 (is_bf16) or fp32. Returns 0, or -1 (no memory). */

@@ -21,6 +21,8 @@ def _signatures(lib: ctypes.CDLL) -> None:
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     lib.mla_decode.argtypes = [p, i64, i64, p, p, p, p, p, i, i, i, i, i, i, i, f, i, p, i]
     lib.mla_decode.restype = ctypes.c_int
+    lib.mla_decode_row_bytes.argtypes = [i, i, i, i, i]
+    lib.mla_decode_row_bytes.restype = i64
 
 
 _kernel = Lazy(SOURCE, _signatures)
@@ -32,8 +34,9 @@ def absorbed_gathered(
     q_nope, q_rot, w_kv_b, kv_store, sel_slots, sel_valid, nope, scale, cap, fallback=None
 ):
     """q_nope [n, h, nope], q_rot [n, h, r], w_kv_b [h * (nope + v), c], kv_store [S, c + r],
-    sel_slots/sel_valid [n, k] -> [n, h, v] in q_nope's dtype. cap: unused (nothing is
-    gathered); `fallback` takes what the kernel does not."""
+    sel_slots/sel_valid [n, k] -> [n, h, v] in q_nope's dtype. cap: the bytes of scratch a call
+    may take (nothing is gathered; rows go in calls under it); `fallback` takes what the kernel
+    does not."""
     lib = _kernel.get()
     dt = q_nope.dtype
     n, h = q_nope.shape[0], q_nope.shape[1]
@@ -58,12 +61,24 @@ def absorbed_gathered(
     slots = sel_slots.to(torch.int64).contiguous()
     valid = sel_valid.to(torch.bool).contiguous()
     out = torch.empty(n, h, v, dtype=dt)
-    rc = lib.mla_decode(
-        q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1), q_rot.data_ptr(),
-        w_kv_b.data_ptr(), kv_store.data_ptr(), slots.data_ptr(), valid.data_ptr(),
-        n, h, nope, v, c, r, slots.shape[1], scale, int(dt == torch.bfloat16), out.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise MemoryError("mla_decode: no memory for its scratch")
+    k, bf16 = slots.shape[1], int(dt == torch.bfloat16)
+    # the kernel's scratch grows with the rows of a call (GLM-5: about 4.6 MB a row at top-2048),
+    # so a prefill chunk's rows go in calls under the cap, as the torch form's gathers do
+    row_bytes = lib.mla_decode_row_bytes(h, c, r, k, bf16)
+    per = cap // row_bytes
+    if per < 1:
+        raise ValueError(
+            f"mla_decode: one row's scratch ({row_bytes} bytes) exceeds the cap of {cap} bytes: "
+            "raise gather_cap_bytes"
+        )
+    for a in range(0, n, per):
+        b = min(n, a + per)
+        rc = lib.mla_decode(
+            q_nope[a:].data_ptr(), q_nope.stride(0), q_nope.stride(1), q_rot[a:].data_ptr(),
+            w_kv_b.data_ptr(), kv_store.data_ptr(), slots[a:].data_ptr(), valid[a:].data_ptr(),
+            b - a, h, nope, v, c, r, k, scale, bf16, out[a:].data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("mla_decode: no memory for its scratch")
     return out
