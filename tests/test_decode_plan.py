@@ -229,6 +229,22 @@ def test_the_plan_declines_what_it_does_not_take():
     )
 
 
+def test_a_step_over_the_gather_cap_goes_to_the_modules():
+    """mla_decode's scratch grows with a call's rows: under a gather cap of two rows' scratch,
+    the plan takes steps of 2 rows and leaves 3 to the modules, whose wrapper splits them into
+    capped calls; the bits are the uncapped model's."""
+    from dist_glm5.kernels import mla_decode
+
+    m = _model(ensure_default_model())
+    L = cpu_plan.plan(m).layers[0]
+    row = mla_decode._kernel.get().mla_decode_row_bytes(L.heads, L.c, L.rope, L.topk, 1)
+    capped = _model(ensure_default_model(), DSAConfig(mode="sparse", gather_cap_bytes=2 * row))
+    assert cpu_plan.plan(capped).max_rows == 2
+    two, three = PROMPTS[:2], PROMPTS  # sequences, one row each a step
+    assert _same(_decode([m], False, prompts=two), _decode([capped], True, prompts=two)) == [5]
+    assert _same(_decode([m], False, prompts=three), _decode([capped], True, prompts=three)) == [0]
+
+
 def test_moving_the_weights_drops_the_plan():
     m = _model(ensure_default_model())
     c = m.new_cache(blocks_needed([100], 64), 64)

@@ -261,6 +261,13 @@ class DecodePlan:
                 self.heads[id(lin)] = (_Linear(lin), _hook_dicts(lin))
         self.gemv, self.dec, self.norm, self.route = k.gemv, k.dec, k.norm, k.route
         self.mx, self.w4 = k.mx, k.w4  # w4: the w4a8 experts kernel when chosen, else None
+        # the rows a step may have for mla_decode's scratch to stay under the gather cap (one
+        # call per layer here; the modules' wrapper splits a larger step's rows)
+        row = max(
+            k.dec.mla_decode_row_bytes(L.heads, L.c, L.rope, L.topk, 1)
+            for L in self.layers + ([self.mtp_layer] if self.mtp_layer is not None else [])
+        )
+        self.max_rows = min(ROWS, model.dsa.gather_cap_bytes // row)
 
     def head(self, lin, h: torch.Tensor) -> torch.Tensor | None:
         """lin(h) as fp32 logits (h [T, H] normed bf16 rows), or None when not taken (the
@@ -274,7 +281,7 @@ class DecodePlan:
     def takes(self, x: torch.Tensor, batch, cache, keep, layers) -> bool:
         T = batch.num_tokens
         profiled = getattr(self.model, "profiler", None) is not None
-        if not 0 < T <= ROWS or len(batch.groups) != 1:
+        if not 0 < T <= self.max_rows or len(batch.groups) != 1:
             return False
         g = batch.groups[0]
         if g.tok.shape[1] > SMALL_CHUNK or g.tok.numel() != T:  # decode rows, no padding
