@@ -33,13 +33,13 @@ class Ops:
     # (q_nope, q_rot, latent, k_rot, w_kv_b, keep, scale, nope) -> [B, n, h, v] (ops/attention.py)
     mla_expanded: "Fn"
     mla_absorbed: "Fn"
-    # sparse decode over each row's gathered rows, and sparse prefill over capped key chunks with
-    # an online softmax (ops/attention.py): -> latent output [n, h, c] fp32
-    attend_gathered: "Fn"
+    # sparse prefill by windows over capped key chunks with an online softmax
+    # (ops/attention.py): -> latent output [n, h, c] fp32
     attend_absorbed_chunked: "Fn"
-    # the whole sparse decode: (q_nope [n, h, nope], q_rot [n, h, r], w_kv_b, kv_store, slots,
-    # valid [n, k], nope, scale, cap) -> [n, h, v] in q_nope's dtype: W_uk, attend_gathered,
-    # W_uv (ops/attention.absorbed_gathered)
+    # sparse attention of rows over each one's own selected keys (decode, and prefill by rows):
+    # (q_nope [n, h, nope], q_rot [n, h, r], w_kv_b, kv_store, slots, valid [n, k], nope, scale,
+    # cap) -> [n, h, v] in q_nope's dtype: W_uk, attend_gathered, W_uv
+    # (ops/attention.absorbed_gathered)
     absorbed_gathered: "Fn"
     rms_norm: "Fn"  # (x [..., D], weight [D], eps) -> [..., D] (ops/norm.py)
     # dense projections (model/linear.Linear) and the MLA head products with kv_b_proj's
@@ -91,7 +91,6 @@ def reference_ops() -> Ops:
         index_scores=index_scores,
         mla_expanded=attention.mla_expanded,
         mla_absorbed=attention.mla_absorbed,
-        attend_gathered=attention.attend_gathered,
         attend_absorbed_chunked=attention.attend_absorbed_chunked,
         absorbed_gathered=attention.absorbed_gathered,
         rms_norm=rms_norm,

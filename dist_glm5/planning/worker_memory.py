@@ -205,7 +205,9 @@ def worker_memory(
         need = chunk_tokens * min(context, cfg.index_topk) * width
     else:  # a window's union or every key, and the window's scores over them
         need = max(context * width, dsa.window * cfg.num_attention_heads * context * 4)
-    gathers = 4 * min(cap, need)  # the gather, its fp32 copy, scores and probabilities
+    # the gather, its fp32 copy, scores and probabilities (on CPU by rows: mla_decode's scratch,
+    # also under the cap)
+    gathers = 4 * min(cap, need)
     rope = rope_table_bytes(context, cfg.qk_rope_head_dim)  # host cos/sin tables (model/rope.py)
     return WorkerMemory(
         stage_weight_bytes(cfg, layers, first, last, mtp, tp, ep, dtype_bytes, experts_format),

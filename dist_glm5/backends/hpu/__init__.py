@@ -35,7 +35,6 @@ def hpu_ops():
         index_scores=indexer.index_scores,
         mla_expanded=attention.mla_expanded,
         mla_absorbed=attention.mla_absorbed,
-        attend_gathered=attention.attend_gathered,
         attend_absorbed_chunked=attention.attend_absorbed_chunked,
         absorbed_gathered=functools.partial(
             ref_attention.absorbed_gathered, attend=attention.attend_gathered
