@@ -243,12 +243,13 @@ def run(args: argparse.Namespace) -> int:
                 f"  {T:>7} x {st} stage(s): {r['ttft_s']:8.1f} s, bound {bound:7.1f} s -> "
                 f"{r['ttft_s'] / bound:.1f}x (goal <= 3); peak RSS {rss}"
             )
-    bw = read_bandwidth(args.threads) if args.decode_contexts else 0.0  # ~1 s: only if used
-    print(
-        f"decode ms per step, {args.threads} thread(s), synthetic cache, {args.model or 'embedded'}"
-        f"; floor = the first context's step + the extra index keys read at {bw / 1e9:.1f} GB/s "
-        "(measured)"
-    )
+    if args.decode_contexts:
+        bw = read_bandwidth(args.threads)  # about a second: only when decode is measured
+        print(
+            f"decode ms per step, {args.threads} thread(s), synthetic cache, "
+            f"{args.model or 'embedded'}; floor = the first context's step + the extra index "
+            f"keys read at {bw / 1e9:.1f} GB/s (measured)"
+        )
     base: dict[tuple, float] = {}
     for B in args.decode_batches:
         for keys in args.index_keys:
