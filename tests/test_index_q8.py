@@ -167,7 +167,7 @@ def test_bench_longctx_decodes_with_int8_keys():
     """`bench longctx`'s decode measurement runs on an int8 cache (synthetic rows in its layout)."""
     from dist_glm5.bench.longctx import _DECODE, sub
 
-    r = sub(_DECODE, 300, 2, 2, 1, "int8", "")
+    r = sub(_DECODE, 300, 2, 2, 1, 1, "int8", "")
     assert r is not None and r["ms_per_step"] > 0
     # what its floor divides by the read rate: per position, every full indexer's cache row
     # (the embedded model: 2 full indexers of D = 32; D + 4 bytes in int8, 2 D in bf16)
@@ -175,5 +175,5 @@ def test_bench_longctx_decodes_with_int8_keys():
     full = sum(cfg.has_indexer(i) for i in range(cfg.num_hidden_layers))
     assert full == 2 and cfg.index_head_dim == 32
     assert r["index_key_bytes_per_position"] == full * index_q8.row_bytes(cfg.index_head_dim)
-    r = sub(_DECODE, 300, 2, 2, 1, "exact", "")
+    r = sub(_DECODE, 300, 2, 2, 1, 1, "exact", "")
     assert r["index_key_bytes_per_position"] == full * cfg.index_head_dim * 2
