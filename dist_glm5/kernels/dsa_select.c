@@ -425,6 +425,23 @@ int dsa_select_bf16dot(int D) {
     return D % 2 == 0 && vnni_here() && __builtin_cpu_supports("avx512bf16");
 }
 
+/* `iters` x 16 independent vpdpbusd on zmm registers (16 chains hide the latency), nothing else:
+ * timed by the caller, the rate at which this core issues the int8 scan's one product
+ * instruction (bench longctx's arithmetic floor; the VM has no counters). Returns 16 x iters,
+ * or 0 where the VNNI path does not run. */
+VNNI static int64_t vnni_spin(int64_t iters) {
+    for (int64_t i = 0; i < iters; i++)
+        __asm__ volatile(
+#define D1(r) "vpdpbusd %%zmm16, %%zmm17, %%zmm" #r "\n\t"
+            D1(0) D1(1) D1(2) D1(3) D1(4) D1(5) D1(6) D1(7)
+            D1(8) D1(9) D1(10) D1(11) D1(12) D1(13) D1(14) D1(15)
+#undef D1
+            ::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+            "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17");
+    return 16 * iters;
+}
+int64_t dsa_select_vnni_spin(int64_t iters) { return vnni_here() ? vnni_spin(iters) : 0; }
+
 /* How many keys the 64-key chunk starting at key j0 of cache block b holds: up to 64, the
  * block's end (blocks of bs keys) and the sequence's end (L). */
 static inline int chunk_keys(int64_t j0, int64_t b, int bs, int64_t L) {

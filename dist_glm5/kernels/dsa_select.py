@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,6 +45,8 @@ def _signatures(lib: ctypes.CDLL) -> None:
     lib.dsa_select_bf16dot.restype = i
     lib.dsa_select_quantise.argtypes = [p, i64, i, p, p]
     lib.dsa_select_quantise.restype = None
+    lib.dsa_select_vnni_spin.argtypes = [i64]
+    lib.dsa_select_vnni_spin.restype = i64
 
 
 _kernel = Lazy(SOURCE, _signatures)
@@ -107,6 +110,24 @@ def uses_vnni(head_dim: int) -> bool:
 def uses_bf16dot(head_dim: int) -> bool:
     """Whether bf16 keys of this width (with bf16-valued queries) are scored with AVX512-BF16."""
     return bool(_kernel.get().dsa_select_bf16dot(head_dim))
+
+
+def vnni_rate(seconds: float = 0.02, repeats: int = 5) -> float:
+    """vpdpbusd (zmm: 64 int8 products) this thread issues a second, the best of `repeats` runs
+    of about `seconds` each; 0.0 where int8 keys do not take the VNNI path. An int8 key-row of
+    Hi heads x D bytes needs Hi * D / 64 of them: the scan's arithmetic floor."""
+    lib = _kernel.get()
+    if lib is None or not lib.dsa_select_vnni_spin(1):
+        return 0.0
+    iters, best = 1 << 16, float("inf")
+    t = time.perf_counter()
+    lib.dsa_select_vnni_spin(iters)
+    iters = max(1, int(iters * seconds / max(time.perf_counter() - t, 1e-6)))
+    for _ in range(repeats):
+        t = time.perf_counter()
+        n = lib.dsa_select_vnni_spin(iters)
+        best = min(best, time.perf_counter() - t)
+    return n / best
 
 
 def select_rows(q, w, idx_store, keys, q_pos, topk: int, head_dim: int, keep=None, mask=True):
