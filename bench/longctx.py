@@ -226,7 +226,8 @@ def decode_rows(args: argparse.Namespace, res: dict) -> None:
     dcfg = ModelConfig.from_hf(args.model or ensure_default_model())
     full = sum(dcfg.has_indexer(i) for i in range(dcfg.num_hidden_layers))
     vnni_per_pos = full * dcfg.index_n_heads * dcfg.index_head_dim / 64
-    vnni = dsa_select.vnni_rate() if "int8" in args.index_keys else 0.0
+    scans_vnni = "int8" in args.index_keys and dsa_select.uses_vnni(dcfg.index_head_dim)
+    vnni = dsa_select.vnni_rate() if scans_vnni else 0.0
     if vnni:
         print(
             f"  int8 rows: scan floor = the first step + {vnni_per_pos:.0f} vpdpbusd per "

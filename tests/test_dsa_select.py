@@ -280,9 +280,9 @@ def test_the_model_uses_it_for_prefill_and_decode_and_tokens_are_unchanged(defau
 
 def test_vnni_rate_where_the_vnni_path_runs():
     """`bench longctx`'s scan floor divides by vnni_rate: positive (and a plausible issue rate,
-    0.1-10 instructions per ns) where int8 keys take the VNNI path, 0 where they do not."""
+    0.1-40 instructions per ns) where int8 keys take the VNNI path, 0 where they do not."""
     if K.uses_vnni(32):
-        assert 1e8 < K.vnni_rate(seconds=0.005, repeats=2) < 1e10
+        assert 1e8 < K.vnni_rate(seconds=0.005, repeats=2) < 4e10
     K.force_portable(True)
     try:
         assert K.vnni_rate() == 0.0
