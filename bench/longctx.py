@@ -135,6 +135,12 @@ def register(p: argparse.ArgumentParser) -> None:
         help="untimed decode steps first (a context's first steps fault in the scratch: with "
         "them in the median, 12 steps read 1.55x at 32K where 64 read 1.16x)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="decode: measure every context this many times, interleaved, and take the median",
+    )
     p.add_argument("--output", help="write the results as JSON here")
     p.set_defaults(func=run)
 
@@ -236,13 +242,23 @@ def decode_rows(args: argparse.Namespace, res: dict) -> None:
     base: dict[tuple, float] = {}
     for B in args.decode_batches:
         for keys in args.index_keys:
+            # the contexts interleaved, round after round: this VM's speed drifts by the minute
+            runs: dict[int, list] = {T: [] for T in args.decode_contexts}
+            for _ in range(args.rounds):
+                for T in args.decode_contexts:
+                    runs[T].append(
+                        sub(_DECODE, T, B, args.steps, args.threads, args.warmup, keys, args.model)
+                    )
             for T in args.decode_contexts:
-                r = sub(_DECODE, T, B, args.steps, args.threads, args.warmup, keys, args.model)
+                ok = sorted((x for x in runs[T] if x is not None), key=lambda x: x["ms_per_step"])
+                r = None  # any failed round fails the row
+                if len(ok) == len(runs[T]):
+                    r = {**ok[len(ok) // 2], "rounds_ms": [x["ms_per_step"] for x in runs[T]]}
                 res["decode"].append({"context": T, "batch": B, "index_keys": keys, **(r or {})})
                 if r is None:
                     print(f"  batch {B}, {keys} keys, at {T:>7}: failed")
                     continue
-                ms = r["ms_per_step"]
+                ms = r["ms_per_step"]  # the median round's
                 first = base.setdefault((B, keys), ms)
                 T0 = args.decode_contexts[0]
                 extra = B * (T - T0) * r["index_key_bytes_per_position"]
@@ -253,8 +269,11 @@ def decode_rows(args: argparse.Namespace, res: dict) -> None:
                     sf = (first + 1e3 * B * (T - T0) * vnni_per_pos / (vnni * args.threads)) / first
                     res["decode"][-1]["scan_floor_ratio"] = sf
                     scan = f", scan floor {sf:.2f}x"
+                spread = ""
+                if args.rounds > 1:
+                    spread = " (rounds " + ", ".join(f"{x:.2f}" for x in r["rounds_ms"]) + ")"
                 print(
-                    f"  batch {B}, {keys:>5} keys, at {T:>7}: {ms:7.2f} ms "
+                    f"  batch {B}, {keys:>5} keys, at {T:>7}: {ms:7.2f} ms{spread} "
                     f"({ms / first:.2f}x of {T0}, floor {floor:.2f}x{scan}; goal at 32K <= 1.2), "
                     f"peak RSS {r['peak_rss_mb']:.0f} MB"
                 )
