@@ -67,6 +67,12 @@ def register(p: argparse.ArgumentParser) -> None:
         "phases' 2,048-byte rows (end-long)",
     )
     p.add_argument(
+        "--reindent",
+        action="store_true",
+        help="train on the code re-indented to 4-space steps, at most one deeper than the line "
+        "before and at most 16 (what the column head counts; off: the committed recipe)",
+    )
+    p.add_argument(
         "--export-only",
         action="store_true",
         help="export the run's last saved step to --export and stop (gate a run as it goes)",
@@ -97,5 +103,6 @@ def run(args: argparse.Namespace) -> int:
         base_extra=args.base_extra,
         unloop_steps=args.unloop,
         unloop_at=args.unloop_at,
+        reindent=args.reindent,
     )
     return 0

@@ -79,6 +79,27 @@ def load_split(split: str) -> list[tuple[str, bytes]]:
     return [(rel, p.read_bytes()) for rel, p in stdlib_files() if is_heldout(rel) == want]
 
 
+def reindent(data: bytes, step: int = 4, cap: int = 16) -> bytes:
+    """data with every line's leading spaces made what a column count up to `cap` can follow:
+    a multiple of `step` (rounded down), at most one step deeper than the last non-blank line,
+    at most `cap`; a line of spaces only becomes empty. The rest of each line is unchanged.
+
+    Why: greedy code from the stdlib-trained model wrote 96 spaces. In the raw stdlib, after 16
+    leading spaces the next byte is a space 78% of the time pooled over positions (aligned
+    continuation lines run to 40 and more), and the model's column head counts 16 bytes at most:
+    past 16 it cannot tell where a run ends, so a space stays its argmax forever."""
+    out, prev = [], 0
+    for line in data.split(b"\n"):
+        body = line.lstrip(b" ")
+        if not body:
+            out.append(b"")
+            continue
+        k = len(line) - len(body)
+        prev = min(k - k % step, prev + step, cap)
+        out.append(b" " * prev + body)
+    return b"\n".join(out)
+
+
 def frozen_heldout() -> list[dict]:
     """The held-out texts frozen at training time: [{'path', 'text'}] (stdlib, PSF licence)."""
     return json.loads(HELDOUT_PATH.read_text())["texts"]

@@ -904,11 +904,13 @@ class Trainer:
 
 # ---- data --------------------------------------------------------------------------------------
 class Data:
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, reindent: bool = False):
         from . import chat_corpus, corpus
 
         self.corpus, self.chat = corpus, chat_corpus
         files = corpus.load_split("train")
+        if reindent:  # the code's indentation as the column read-outs count it (corpus.reindent)
+            files = [(r, corpus.reindent(b, cap=COLUMN_WINDOW)) for r, b in files]
         self.text = b"\n".join(b for _, b in files)
         self.seed = seed
         self.words = chat_corpus.Words.from_text(self.text)
@@ -1095,6 +1097,7 @@ def train(
     base_extra: int = 0,
     unloop_steps: int = 0,
     unloop_at: str = "end",
+    reindent: bool = False,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1103,7 +1106,8 @@ def train(
     line's indentation (indent_targets) count 1 + indent_weight times in the LM loss (0: the
     committed recipe); line_heads: supervise LINE_HEADS (off: the committed recipe); base_extra:
     steps added to the base phase (phases; 0: the committed recipe); unloop_steps: the "unloop"
-    phase's steps (phases; 0: none, the committed recipe), unloop_at where it goes (phases)."""
+    phase's steps (phases; 0: none, the committed recipe), unloop_at where it goes (phases);
+    reindent: the training code re-indented by corpus.reindent (off: the committed recipe)."""
     from tqdm import tqdm
 
     plan = phases(base_extra, unloop_steps, unloop_at)
@@ -1113,7 +1117,7 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config()
     tr = Trainer(cfg, seed, line_heads)
-    data = Data(seed)
+    data = Data(seed, reindent)
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
     state_path, step = out / "state.pt", 0
     if state_path.exists():
