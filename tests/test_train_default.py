@@ -484,3 +484,30 @@ def test_unloop_at_end_long_trains_long_rows_beside_the_unlikelihood():
     ul = next(p for p in end_long if p.unlikelihood)
     assert (ul.seq, ul.batch, ul.mix, ul.sparse) == (2048, 1, "long", True)
     assert next(p for p in end if p.unlikelihood).mix == "base"
+
+
+def test_reindent_gives_four_space_steps_at_most_one_deeper_and_at_most_the_cap():
+    from dist_glm5.train.corpus import load_split, reindent
+
+    src = (
+        b"def f(x,\n      y):\n    if x:\n            return [1,\n"
+        + b" " * 20
+        + b"2]\n   \n  z = 1\n"
+    )
+    want = b"def f(x,\n    y):\n    if x:\n        return [1,\n            2]\n\nz = 1\n"
+    assert reindent(src) == want
+    assert reindent(b" " * 40 + b"x\n") == b"    x\n"  # one step deeper than column 0
+    deep = b"a\n" + b"".join(b" " * (4 * i) + b"b\n" for i in range(1, 8))
+    assert max(len(x) - len(x.lstrip(b" ")) for x in reindent(deep).split(b"\n")) == 16
+    # a stdlib file, line by line: the bodies kept, the indents as the rule says
+    rel, data = next((r, b) for r, b in load_split("train") if r.endswith("argparse.py"))
+    got, before = reindent(data).split(b"\n"), data.split(b"\n")
+    assert len(got) == len(before)
+    prev = 0
+    for g, b in zip(got, before, strict=True):
+        assert g.lstrip(b" ") == b.lstrip(b" ")
+        if not g:
+            continue
+        k, raw = len(g) - len(g.lstrip(b" ")), len(b) - len(b.lstrip(b" "))
+        assert k % 4 == 0 and k <= 16 and k <= prev + 4 and k <= raw, (rel, g, b)
+        prev = k
