@@ -52,20 +52,22 @@ def obj(r: random.Random, depth: int = 0) -> dict:
 SCHEMAS = [obj(random.Random(i)) for i in range(50)]
 
 
-def walk(spec: GrammarSpec, seed: int, limit: int = 3000) -> tuple[str, bool]:
-    """Random logits, masked: the output and whether it ended with EOS."""
-    m = GrammarMatcher(spec, TOK, V, EOS)
+def walk(spec: GrammarSpec, seed: int, limit: int = 3000, tok=TOK, bias=None) -> tuple[str, bool]:
+    """Random logits (+ bias), masked: the output and whether it ended with EOS."""
+    V = tok.vocab_size
+    m = GrammarMatcher(spec, tok, V, EOS)
     g = torch.Generator().manual_seed(seed)
     out: list[int] = []
     for _ in range(limit):
         allowed = m.allowed()
         assert allowed.any(), "the grammar left no token allowed"
-        t = int(torch.randn(V, generator=g).masked_fill(~allowed, float("-inf")).argmax())
+        logits = torch.randn(V, generator=g) + (0 if bias is None else bias)
+        t = int(logits.masked_fill(~allowed, float("-inf")).argmax())
         if t in EOS:
-            return TOK.decode(out), True
+            return tok.decode(out), True
         assert m.accept(t)
         out.append(t)
-    return TOK.decode(out), False
+    return tok.decode(out), False
 
 
 @pytest.mark.parametrize("i", range(len(SCHEMAS)))
@@ -75,6 +77,32 @@ def test_json_schema_outputs_validate(i):
     text, ended = walk(spec, seed=i)
     assert ended, text[:200]
     jsonschema.validate(json.loads(text), SCHEMAS[i])
+
+
+@pytest.mark.parametrize("i", range(12))
+def test_space_run_ids_fit_the_schema(i):
+    """With ids for runs of 2..16 spaces (several bytes each, favoured here), the outputs still
+    validate: a run is allowed only where all its spaces fit (maxLength, tool-call values)."""
+    runs = ByteTokenizer(16)
+    bias = torch.zeros(runs.vocab_size)
+    bias[259:] = 3.0
+    text, ended = walk(GrammarSpec.json_schema(SCHEMAS[i]), seed=i, tok=runs, bias=bias)
+    assert ended, text[:200]
+    jsonschema.validate(json.loads(text), SCHEMAS[i])
+    text, ended = walk(GrammarSpec.tool_calls(FUNCTIONS, 1, 2), seed=i, tok=runs, bias=bias)
+    content, calls = parse_tool_calls(text, {f["name"]: f["parameters"] for f in FUNCTIONS})
+    assert ended and content == "" and 1 <= len(calls) <= 2, text
+
+
+def test_a_space_run_is_allowed_where_its_spaces_fit():
+    runs = ByteTokenizer(16)
+    m = GrammarMatcher(GrammarSpec.json_schema({"type": "string", "maxLength": 5}), runs, 274, EOS)
+    assert m.accept(ord('"'))
+    allowed = m.allowed()
+    assert [k for k in range(2, 17) if allowed[runs.run_id(k)]] == [2, 3, 4, 5]
+    assert m.accept(runs.run_id(4))
+    allowed = m.allowed()
+    assert allowed[32] and not allowed[runs.run_id(2)] and allowed[ord('"')]
 
 
 def test_json_object_is_an_object():

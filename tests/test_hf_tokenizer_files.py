@@ -210,3 +210,68 @@ def test_old_directory_still_takes_the_byte_tokenizer(tmp_path):
     """A directory written before (only {"tokenizer_class": BYTE_TOKENIZER})."""
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": BYTE_TOKENIZER}))
     assert type(load_tokenizer(tmp_path)) is ByteTokenizer
+
+
+# ---- space runs (a trainer run's --space-runs) ---------------------------------------------------
+RUNS = ByteTokenizer(16)
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("runs")
+    write_tokenizer_files(d, 16)
+    return d, AutoTokenizer.from_pretrained(d)
+
+
+def test_space_runs_are_one_id_each_longest_first():
+    assert RUNS.vocab_size == 259 + 15
+    text = "if x:\n" + " " * 8 + "y  = 1" + " " * 17 + "#\n" + " " * 40 + "z"
+    want = list(b"if x:\n") + [257 + 8] + list(b"y") + [257 + 2] + list(b"= 1")
+    want += [257 + 16] + list(b" #\n") + [257 + 16, 257 + 16, 257 + 8] + list(b"z")
+    assert RUNS.encode(text) == want
+    assert RUNS.decode(want) == text
+    assert RUNS.token_bytes()[257 + 5] == b"     "
+
+
+@SETTINGS
+@given(st.lists(st.sampled_from([32, 32, 32, 10, 97, 256, 257]), max_size=80))
+def test_merging_ids_is_encoding_their_bytes(ids):
+    """merge_space_runs (the trainer's, on ids with special ids among them) against the
+    tokenizer's regex on bytes, piece by piece between the special ids; starts map back."""
+    from dist_glm5.checkpoint.tokenizer import merge_space_runs
+
+    got, starts = merge_space_runs(ids, 16)
+    want, piece = [], []
+    for i in [*ids, None]:
+        if i is None or i >= 256:
+            want += RUNS.encode_bytes(bytes(piece)) + ([] if i is None else [i])
+            piece = []
+        else:
+            piece.append(i)
+    assert got == want
+    assert [b for i in got for b in RUNS.token_bytes()[i]] == [
+        b for i in ids for b in RUNS.token_bytes()[i]
+    ]
+    assert all(ids[s] == (32 if g > 258 else g) for g, s in zip(got, starts, strict=True))
+
+
+def test_space_runs_directory_is_transformers_tokenizer_exactly(hf_runs):
+    d, hf = hf_runs
+    ours = load_tokenizer(d)
+    assert type(ours) is ByteTokenizer and ours.space_runs == 16
+    assert (len(hf), hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (274, 256, 257, 258)
+    assert sorted(hf.get_vocab().values()) == list(range(274))
+    for text in corpus() + ["  ", " " * 33, "a" + " " * 17 + "b", "\t  \t   x"]:
+        ids = RUNS.encode(text)
+        assert hf.encode(text) == ids == ours.encode(text)
+        for skip in (True, False):
+            assert hf.decode(ids, skip_special_tokens=skip) == RUNS.decode(ids, skip)
+    for i in range(RUNS.vocab_size):
+        assert hf.decode([65, i, 66], skip_special_tokens=False) == RUNS.decode([65, i, 66], False)
+
+
+@SETTINGS
+@given(st.text(alphabet=st.sampled_from(" \n\tab<eos>é😀"), max_size=120))
+def test_space_runs_any_text(hf_runs, text):
+    assert hf_runs[1].encode(text) == RUNS.encode(text)
+    assert RUNS.decode(RUNS.encode(text)) == text

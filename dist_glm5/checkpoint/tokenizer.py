@@ -13,24 +13,52 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 BYTE_TOKENIZER = "DistGlm5ByteTokenizer"
 MARKER = "dist_glm5_tokenizer"  # the tokenizer_config.json key naming ours (for our loader)
+RUNS_KEY = "dist_glm5_space_runs"  # and its longest space run (absent: 0, bytes only)
 
 
 ENCODE_PIECE = 1 << 18  # bytes listed per call: a 4 MB prompt would hold the GIL ~100 ms at once
 
 
 class ByteTokenizer:
-    """ids 0..255 are bytes; then <bos>, <eos>, <pad>. Needs no download."""
+    """ids 0..255 are bytes; then <bos>, <eos>, <pad>; then, with space_runs R > 1, runs of 2..R
+    spaces (id 257 + k for a run of k), taken greedily from the left. Needs no download.
 
-    def __init__(self) -> None:
+    Why runs: a byte model chooses an indentation one space at a time, and greedy decoding of
+    the trained default model kept choosing "one more" (96 spaces after a line of code). With a
+    run one id, the indentation is one choice, and after a run (longest first) comes no space.
+    GLM's own tokenizer has whitespace-run ids too."""
+
+    SPECIAL = {256: "<bos>", 257: "<eos>", 258: "<pad>"}
+
+    def __init__(self, space_runs: int = 0) -> None:
+        if space_runs < 0 or space_runs == 1:
+            raise ValueError(f"space_runs={space_runs}: 0 (bytes only) or the longest run, >= 2")
         self.bos_id, self.eos_id, self.pad_id = 256, 257, 258
-        self.vocab_size = 259
+        self.space_runs = space_runs
+        self.vocab_size = 259 + max(0, space_runs - 1)
+        self._runs = re.compile(rb" {2,%d}" % space_runs) if space_runs else None
+        self._bytes = self.token_bytes()
+
+    def run_id(self, k: int) -> int:
+        """The id of a run of k spaces (2 <= k <= space_runs)."""
+        return 257 + k
 
     def encode(self, text: str) -> list[int]:
-        data = text.encode("utf-8")
+        return self.encode_bytes(text.encode("utf-8"))
+
+    def encode_bytes(self, data: bytes) -> list[int]:
+        if self._runs is not None:  # the regex's greedy runs are merge_space_runs' exactly
+            out, i = [], 0
+            for m in self._runs.finditer(data):
+                out += data[i : m.start()]
+                out.append(257 + m.end() - m.start())
+                i = m.end()
+            return out + list(data[i:])
         if len(data) <= ENCODE_PIECE:
             return list(data)
         out: list[int] = []
@@ -38,23 +66,38 @@ class ByteTokenizer:
             out += data[i : i + ENCODE_PIECE]
         return out
 
-    SPECIAL = {256: "<bos>", 257: "<eos>", 258: "<pad>"}
-
     def token_bytes(self) -> list[bytes]:
         """Every id's bytes, in id order (what a grammar engine indexes: sampling/grammar.py)."""
-        return [bytes([i]) for i in range(256)] + [b"<bos>", b"<eos>", b"<pad>"]
+        runs = [b" " * k for k in range(2, self.space_runs + 1)]
+        return [bytes([i]) for i in range(256)] + [b"<bos>", b"<eos>", b"<pad>"] + runs
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        b = self._bytes
         if skip_special_tokens:
-            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+            return b"".join(b[i] for i in ids if i not in self.SPECIAL).decode("utf-8", "replace")
         out, run = [], bytearray()
         for i in ids:
-            if i < 256:
-                run.append(i)
+            if i not in self.SPECIAL:
+                run += b[i]
                 continue
-            out += [run.decode("utf-8", errors="replace"), self.SPECIAL.get(i, "")]
+            out += [run.decode("utf-8", errors="replace"), self.SPECIAL[i]]
             run = bytearray()
         return "".join(out) + run.decode("utf-8", errors="replace")
+
+
+def merge_space_runs(ids: list[int], space_runs: int) -> tuple[list[int], list[int]]:
+    """ids (bytes, special ids among them) -> (ids with every run of 2..space_runs spaces one id,
+    longest first from the left; where each new id starts in the old ids)."""
+    out, starts, i, n = [], [], 0, len(ids)
+    while i < n:
+        k = 1
+        if ids[i] == 32:
+            while k < space_runs and i + k < n and ids[i + k] == 32:
+                k += 1
+        out.append(ids[i] if k == 1 else 257 + k)
+        starts.append(i)
+        i += k
+    return out, starts
 
 
 class HFTokenizer:
@@ -81,7 +124,7 @@ def load_tokenizer(model_dir: str | Path):
     if tc.exists():
         cfg = json.loads(tc.read_text())
         if BYTE_TOKENIZER in (cfg.get(MARKER), cfg.get("tokenizer_class")):  # the latter: old dirs
-            return ByteTokenizer()
+            return ByteTokenizer(int(cfg.get(RUNS_KEY, 0)))
     if (d / "tokenizer.json").exists():
         return HFTokenizer(d / "tokenizer.json")
     return None
@@ -99,27 +142,39 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(sorted(out.items()))
 
 
-def hf_tokenizer_json() -> str:
-    """tokenizer.json (Hugging Face tokenizers) equal to ByteTokenizer: ids and text alike."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+def hf_tokenizer_json(space_runs: int = 0) -> str:
+    """tokenizer.json (Hugging Face tokenizers) equal to ByteTokenizer(space_runs): ids and text
+    alike."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    bt = ByteTokenizer()
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    # no regex split: with no merges every byte is its own token whatever the words
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
+    bt = ByteTokenizer(space_runs)
+    uni = _bytes_to_unicode()
+    vocab = {ch: b for b, ch in uni.items()}
     specials = [bt.SPECIAL[i] for i in sorted(bt.SPECIAL)]
+    if space_runs:
+        # every piece one id: a run of spaces (longest first) or one byte's character
+        vocab.update({t: i for i, t in bt.SPECIAL.items()})
+        vocab.update({uni[32] * k: bt.run_id(k) for k in range(2, space_runs + 1)})
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=specials[-1]))
+        split = pre_tokenizers.Split(Regex(f"{uni[32]}{{2,{space_runs}}}|."), "isolated")
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False), split]
+        )
+    else:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        # no regex split: with no merges every byte is its own token whatever the words
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     assert [tok.token_to_id(t) for t in specials] == sorted(bt.SPECIAL)
-    assert tok.get_vocab_size() == bt.vocab_size
+    assert tok.get_vocab_size() == bt.vocab_size, (tok.get_vocab_size(), bt.vocab_size)
     return tok.to_str(pretty=True) + "\n"
 
 
-def hf_tokenizer_config() -> dict:
+def hf_tokenizer_config(space_runs: int = 0) -> dict:
     """tokenizer_config.json: transformers' fast tokenizer over tokenizer.json, and our marker."""
-    bt = ByteTokenizer()
-    return {
+    bt = ByteTokenizer(space_runs)
+    cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         MARKER: BYTE_TOKENIZER,
         "bos_token": bt.SPECIAL[bt.bos_id],
@@ -128,15 +183,18 @@ def hf_tokenizer_config() -> dict:
         "split_special_tokens": True,  # "<eos>" in a text is its 5 bytes, as ByteTokenizer has it
         "clean_up_tokenization_spaces": False,
     }
+    if space_runs:
+        cfg[RUNS_KEY] = space_runs
+    return cfg
 
 
-def write_tokenizer_files(model_dir: str | Path) -> None:
+def write_tokenizer_files(model_dir: str | Path, space_runs: int = 0) -> None:
     """The byte tokenizer's files in model_dir: tokenizer.json and tokenizer_config.json (each
     replaced atomically; tokenizer.json first, so a reader never finds the new config alone)."""
     d = Path(model_dir)
     files = {
-        "tokenizer.json": hf_tokenizer_json(),
-        "tokenizer_config.json": json.dumps(hf_tokenizer_config(), indent=2) + "\n",
+        "tokenizer.json": hf_tokenizer_json(space_runs),
+        "tokenizer_config.json": json.dumps(hf_tokenizer_config(space_runs), indent=2) + "\n",
     }
     for name, text in files.items():
         tmp = d / f".{name}.tmp{os.getpid()}"

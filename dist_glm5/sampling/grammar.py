@@ -453,9 +453,10 @@ class _ByteTokens:
         self.eos_token_id, self.bos_token_id = tok.eos_id, tok.bos_id
         self.tokens = tok.token_bytes()
         self.special_token_ids = [tok.bos_id, tok.eos_id, tok.pad_id]
+        self.encode = tok.encode_bytes  # its space runs (if any) are ids of several bytes
 
     def __call__(self, data: bytes) -> list[int]:
-        return list(data)
+        return self.encode(data)
 
 
 @functools.lru_cache(maxsize=8)
