@@ -73,6 +73,13 @@ def register(p: argparse.ArgumentParser) -> None:
         "before and at most 16 (what the column head counts; off: the committed recipe)",
     )
     p.add_argument(
+        "--space-runs",
+        type=int,
+        default=0,
+        help="a vocabulary with one id for each run of 2..N spaces (GLM's tokenizer has such "
+        "ids): an indentation is one choice (0: bytes only, the committed recipe)",
+    )
+    p.add_argument(
         "--export-only",
         action="store_true",
         help="export the run's last saved step to --export and stop (gate a run as it goes)",
@@ -104,5 +111,6 @@ def run(args: argparse.Namespace) -> int:
         unloop_steps=args.unloop,
         unloop_at=args.unloop_at,
         reindent=args.reindent,
+        space_runs=args.space_runs,
     )
     return 0

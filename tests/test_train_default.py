@@ -5,6 +5,7 @@ else."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -511,3 +512,50 @@ def test_reindent_gives_four_space_steps_at_most_one_deeper_and_at_most_the_cap(
         k, raw = len(g) - len(g.lstrip(b" ")), len(b) - len(b.lstrip(b" "))
         assert k % 4 == 0 and k <= 16 and k <= prev + 4 and k <= raw, (rel, g, b)
         prev = k
+
+
+def test_space_run_rows_point_the_source_map_at_the_merged_ids():
+    doc = list(b"a   b\n  a   b")
+    src = [-1] * 8 + [0, 1, 2, 3, 4]
+    ids, src_t, reply = td.space_run_row(doc, src, [False] * 8 + [True] * 5, 16)
+    r2, r3 = 257 + 2, 257 + 3
+    assert ids == [97, r3, 98, 10, r2, 97, r3, 98]
+    assert src_t == [-1, -1, -1, -1, -1, 0, 1, 2]
+    assert reply == [False] * 5 + [True] * 3
+    assert td.induction_targets(ids, src_t) == [-1] * 5 + [1, 2, -1]
+
+
+@pytest.mark.parametrize("mix", ["base", "long"])
+def test_space_run_batches_hold_runs_and_their_induction_keys_hold_the_next_id(mix):
+    data = td.Data(seed=5, space_runs=16)
+    ids, induction, reply = data.batch(step=7, seq=512, batch=8, mix=mix)
+    assert ids.shape == induction.shape == reply.shape == (8, 512)
+    assert (ids > 258).any() and (ids < 274).all()  # runs of spaces, and nothing past them
+    b, t = torch.nonzero(induction >= 0, as_tuple=True)
+    assert len(t) > 0
+    k = induction[b, t]
+    # the key the induction head reads holds the id to predict, after the id of the current one
+    assert torch.equal(ids[b, k], ids[b, t + 1]) and torch.equal(ids[b, k - 1], ids[b, t])
+    # no two runs in a row: the longest run is taken first (a run of 17+ is 16 and one space)
+    runs = ids > 258
+    assert not (runs[:, 1:] & runs[:, :-1] & (ids[:, :-1] != 257 + 16)).any()
+
+
+def test_a_space_run_run_exports_its_tokenizer_and_resumes_only_as_itself(tmp_path):
+    from transformers import AutoTokenizer
+
+    from dist_glm5.checkpoint.tokenizer import load_tokenizer
+
+    td.train(tmp_path / "run", steps=1, seed=3, space_runs=16, export_to=tmp_path / "exp")
+    cfg = json.loads((tmp_path / "exp" / "config.json").read_text())
+    tok = load_tokenizer(tmp_path / "exp")
+    assert cfg["vocab_size"] == tok.vocab_size == 274 and tok.space_runs == 16
+    text = "def f():\n        return 1\n"
+    assert AutoTokenizer.from_pretrained(tmp_path / "exp").encode(text) == tok.encode(text)
+    rep = json.loads((tmp_path / "exp" / "train_report.json").read_text())
+    assert 3.0 < rep["heldout_loss_test_slice"] < 8.0  # nats per byte of a 1-step model
+    assert td.export_state(tmp_path / "run", tmp_path / "again", seed=3) == 1
+    with pytest.raises(ValueError, match="--space-runs 16"):
+        td.train(tmp_path / "run", steps=2, seed=3)
+    with pytest.raises(ValueError, match="--unloop"):
+        td.train(tmp_path / "x", steps=1, space_runs=16, unloop_steps=10)

@@ -303,6 +303,13 @@ MIXES = {
 
 
 # ---- the model -------------------------------------------------------------------------------
+def train_config(space_runs: int = 0) -> dict:
+    """TRAIN_CONFIG, its vocabulary that of ByteTokenizer(space_runs)."""
+    from dist_glm5.checkpoint.tokenizer import ByteTokenizer
+
+    return dict(TRAIN_CONFIG, vocab_size=ByteTokenizer(space_runs).vocab_size)
+
+
 def hf_config(raw: dict | None = None):
     from transformers import GlmMoeDsaConfig
 
@@ -487,8 +494,11 @@ class Trainer:
             layers[i].self_attn.register_forward_hook(self._keep_head(i))
             layers[i].self_attn.o_proj.register_forward_hook(self._keep_value(i))
         # training-only linear read-outs of the offset heads (not exported): each head's output
-        # must name the byte it reads, so the induction head has keys to match
-        self.readout = torch.nn.Linear(cfg.v_head_dim, 256 * len(OFFSETS))
+        # must name the byte it reads, so the induction head has keys to match (with space-run
+        # ids, the runs too)
+        self.space_runs = cfg.vocab_size > 259
+        self.n_read = cfg.vocab_size if self.space_runs else 256
+        self.readout = torch.nn.Linear(cfg.v_head_dim, self.n_read * len(OFFSETS))
         n_col = COLUMN_WINDOW + 1
         self.columns = torch.nn.ModuleDict(
             {
@@ -566,13 +576,17 @@ class Trainer:
             near = self._near(k)  # [B, S - k]
             lw = torch.log(w[:, h, k:].gather(-1, keys).clamp_min(1e-6)).squeeze(-1)
             offset = offset - lw[near].mean()
-            lo = self.readout(v[:, k:, h])[..., 256 * h : 256 * (h + 1)]
+            n = self.n_read
+            lo = self.readout(v[:, k:, h])[..., n * h : n * (h + 1)]
             # <eos> (chat rows) is no byte to name, nor a key across a position jump: not counted
             byte = ids[:, :-k].masked_fill(~near, -100).reshape(-1)
-            byte = byte.masked_fill(byte > 255, -100)
-            readout = readout + F.cross_entropy(lo.reshape(-1, 256), byte)
+            byte = byte.masked_fill((byte > 255) & (byte < 259), -100)
+            readout = readout + F.cross_entropy(lo.reshape(-1, n), byte)
         out = {"offset": offset / len(OFFSETS), "readout": readout / len(OFFSETS)}
-        out.update(self._column_losses(ids, w[:, COLUMN_HEAD]))
+        if self.space_runs:  # an indentation is one id: nothing to count (no column losses)
+            out.update(dict.fromkeys(("window", "run", "indent"), w.sum() * 0.0))
+        else:
+            out.update(self._column_losses(ids, w[:, COLUMN_HEAD]))
         want = induction >= 0
         a = self.heads[INDUCTION_LAYER][:, 0].gather(-1, induction.clamp_min(0)[..., None])
         ind = -torch.log(a.squeeze(-1).clamp_min(1e-6))
@@ -634,7 +648,8 @@ class Trainer:
     def structure_losses(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The structure read-outs (structure.py) from INDENT_LAYER's output of the last
         `losses` call: the innermost open tag and the JSON context after each id."""
-        rows = [structure_targets(r) for r in ids.tolist()]
+        # a space run is spaces to the tag and JSON scan (ids after the specials)
+        rows = [structure_targets([32 if i > 258 else i for i in r]) for r in ids.tolist()]
         tag = torch.tensor([r[0] for r in rows])
         js = torch.tensor([r[1] for r in rows])
         h = self.outputs[INDENT_LAYER]
@@ -904,10 +919,11 @@ class Trainer:
 
 # ---- data --------------------------------------------------------------------------------------
 class Data:
-    def __init__(self, seed: int, reindent: bool = False):
+    def __init__(self, seed: int, reindent: bool = False, space_runs: int = 0):
         from . import chat_corpus, corpus
 
         self.corpus, self.chat = corpus, chat_corpus
+        self.space_runs = space_runs  # rows of ByteTokenizer(space_runs)'s ids (0: bytes)
         files = corpus.load_split("train")
         if reindent:  # the code's indentation as the column read-outs count it (corpus.reindent)
             files = [(r, corpus.reindent(b, cap=COLUMN_WINDOW)) for r, b in files]
@@ -925,6 +941,7 @@ class Data:
         where the byte is not inside a repeat, whether the id is an assistant's (chat rows))."""
         f, u = MIXES[mix], rng.random()
         src = None
+        m = n + n // 2 if self.space_runs else n  # bytes enough for n ids once runs are merged
         if u < f["needle"]:
             if rng.random() < 0.5:
                 filler = self.window(rng, n)
@@ -938,13 +955,20 @@ class Data:
         elif u < f["needle"] + f["copy"] + f["repeat"]:
             doc, src = self.corpus.repeat_training_doc(rng, self.window(rng, n), n)
         elif u < f["needle"] + f["copy"] + f["repeat"] + f["chat"]:
-            ids, src, reply = self.chat.chat_row(rng, self.words, n, self.text)  # <eos> in ids
-            return ids, induction_targets(ids, src), reply
+            ids, src, reply = self.chat.chat_row(rng, self.words, m, self.text)  # <eos> in ids
+            return self._row(ids, src, reply, n)
         else:
-            doc = self.window(rng, n)
-        doc = (doc + b"\n" * n)[:n]
-        src = (list(src or []) + [-1] * n)[:n]
-        return list(doc), induction_targets(doc, src), [False] * n
+            doc = self.window(rng, m)
+        src = list(src or []) + [-1] * (len(doc) - len(src or []))
+        return self._row(list(doc), src, [False] * len(doc), n)
+
+    def _row(self, ids: list[int], src: list[int], reply: list[bool], n: int):
+        """A row of n ids (space runs merged, padded with newlines or cut) and its targets."""
+        if self.space_runs:
+            ids, src, reply = space_run_row(ids, src, reply, self.space_runs)
+        pad = max(0, n - len(ids))
+        ids, src = (ids + [10] * pad)[:n], (src + [-1] * pad)[:n]
+        return ids, induction_targets(ids, src), (reply + [False] * pad)[:n]
 
     def unloop_prompts(self, step: int) -> list[list[int]]:
         """UNLOOP_ROWS prompts of step (code windows, then chats up to the assistant's turn)."""
@@ -966,6 +990,21 @@ def mtp_distill(draft: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     teacher = torch.log_softmax(logits[:, 1:].detach().float(), -1)
     q = torch.log_softmax(draft.float(), -1)
     return (teacher.exp() * (teacher - q)).sum(-1).mean()
+
+
+def space_run_row(
+    ids: list[int], src: list[int], reply: list[bool], space_runs: int
+) -> tuple[list[int], list[int], list[bool]]:
+    """A row of bytes (special ids among them), its source map and its assistant mask, with
+    its space runs merged into ByteTokenizer(space_runs)'s ids: the source map then points at
+    the id that holds the source byte."""
+    from dist_glm5.checkpoint.tokenizer import merge_space_runs
+
+    out, starts = merge_space_runs(ids, space_runs)
+    where = [0] * len(ids)
+    for t, (a, b) in enumerate(zip(starts, [*starts[1:], len(ids)], strict=True)):
+        where[a:b] = [t] * (b - a)
+    return out, [where[src[a]] if src[a] >= 0 else -1 for a in starts], [reply[a] for a in starts]
 
 
 def induction_targets(doc: bytes, src: list[int]) -> list[int]:
@@ -1098,6 +1137,7 @@ def train(
     unloop_steps: int = 0,
     unloop_at: str = "end",
     reindent: bool = False,
+    space_runs: int = 0,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1107,24 +1147,26 @@ def train(
     committed recipe); line_heads: supervise LINE_HEADS (off: the committed recipe); base_extra:
     steps added to the base phase (phases; 0: the committed recipe); unloop_steps: the "unloop"
     phase's steps (phases; 0: none, the committed recipe), unloop_at where it goes (phases);
-    reindent: the training code re-indented by corpus.reindent (off: the committed recipe)."""
+    reindent: the training code re-indented by corpus.reindent (off: the committed recipe);
+    space_runs: the vocabulary of ByteTokenizer(space_runs) (0: bytes, the committed recipe)."""
     from tqdm import tqdm
 
+    if space_runs and unloop_steps:
+        raise ValueError(
+            "--space-runs with --unloop: the unloop phase's prompts are bytes of one length; "
+            "use one of the two"
+        )
     plan = phases(base_extra, unloop_steps, unloop_at)
     steps = plan[-1].end if steps is None else steps
     torch.set_num_threads(threads)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = hf_config()
+    cfg = hf_config(train_config(space_runs))
     tr = Trainer(cfg, seed, line_heads)
-    data = Data(seed, reindent)
+    data = Data(seed, reindent, space_runs)
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
-    state_path, step = out / "state.pt", 0
-    if state_path.exists():
-        st = load_state(tr, state_path)
-        opt.load_state_dict(st["opt"])
-        step = st["step"]
-        log.info("resumed at step %d", step)
+    state_path = out / "state.pt"
+    step = resume(tr, opt, state_path, space_runs) if state_path.exists() else 0
     logf = open(out / "train.log", "a")
     # the cosine runs over the phases that train the model (the unloop phase at its own rate)
     cosine = [ph.end for ph in plan if ph.train == "all" and not ph.unlikelihood]
@@ -1201,6 +1243,7 @@ def train(
                     "structure": tr.structure.state_dict(),
                     "opt": opt.state_dict(),
                     "step": step,
+                    "space_runs": space_runs,
                 },
                 tmp,
             )
@@ -1210,9 +1253,23 @@ def train(
         export(tr, Path(export_to))
 
 
-def load_state(tr: Trainer, state_path: Path) -> dict:
-    """Load a run's saved weights into `tr`; returns the saved state (its "opt" and "step")."""
+def resume(tr: Trainer, opt, state_path: Path, space_runs: int) -> int:
+    """Load a run's saved state into `tr` and `opt`; returns its step."""
     st = torch.load(state_path, weights_only=False)
+    if st.get("space_runs", 0) != space_runs:
+        raise ValueError(
+            f"{state_path} was trained with --space-runs {st.get('space_runs', 0)}; resume it "
+            f"with the same (asked: {space_runs})"
+        )
+    load_state(tr, state_path, st)
+    opt.load_state_dict(st["opt"])
+    log.info("resumed at step %d", st["step"])
+    return st["step"]
+
+
+def load_state(tr: Trainer, state_path: Path, st: dict | None = None) -> dict:
+    """Load a run's saved weights into `tr`; returns the saved state (its "opt" and "step")."""
+    st = torch.load(state_path, weights_only=False) if st is None else st
     tr.model.load_state_dict(st["model"])
     tr.mtp.load_state_dict(st["mtp"])
     tr.readout.load_state_dict(st["readout"])
@@ -1232,8 +1289,9 @@ def export_state(out: Path, dst: Path, seed: int) -> int:
             f"{state_path} does not exist: --export-only exports a run's saved state; "
             "train first (the same command without --export-only)"
         )
-    tr = Trainer(hf_config(), seed)
-    step = load_state(tr, state_path)["step"]
+    st = torch.load(state_path, weights_only=False)
+    tr = Trainer(hf_config(train_config(st.get("space_runs", 0))), seed)
+    step = load_state(tr, state_path, st)["step"]
     export(tr, Path(dst))
     log.info("exported step %d of %s", step, out)
     return step
@@ -1249,8 +1307,9 @@ def export(tr: Trainer, dst: Path) -> None:
     sd = tr.hf_state_dict()
     fp32 = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
     sd = {k: v.float() if k.endswith(fp32) else v.to(torch.bfloat16) for k, v in sd.items()}
-    (dst / "config.json").write_text(json.dumps(TRAIN_CONFIG, indent=2) + "\n")
-    write_tokenizer_files(dst)
+    space_runs = tr.cfg.vocab_size - 258 if tr.space_runs else 0  # runs of 2..R: R - 1 ids
+    (dst / "config.json").write_text(json.dumps(train_config(space_runs), indent=2) + "\n")
+    write_tokenizer_files(dst, space_runs)
     save_streaming(dst / "model.safetensors", sd, metadata={"format": "pt"})
     log.info("exported %d tensors to %s", len(sd), dst)
     rep = {"heldout_loss_test_slice": heldout_loss(dst), "test_slice": TEST_SLICE}
@@ -1263,10 +1322,13 @@ TEST_SLICE = "heldout.json texts 0 and 1, first 1024 bytes each"
 
 def heldout_loss(model_dir: Path) -> float:
     """Mean next-byte cross-entropy (nats) of the exported weights on the test slice, computed by
-    transformers in fp32 (the figure tests/test_trained_default.py checks our runtime against)."""
+    transformers in fp32 (the figure tests/test_trained_default.py checks our runtime against).
+    With space-run ids: the ids' cross-entropy summed, per byte they predict."""
     import tempfile
 
     from transformers import GlmMoeDsaForCausalLM
+
+    from dist_glm5.checkpoint.tokenizer import load_tokenizer
 
     from .corpus import frozen_heldout
     from .hf import hf_copy
@@ -1275,7 +1337,18 @@ def heldout_loss(model_dir: Path) -> float:
         ref = GlmMoeDsaForCausalLM.from_pretrained(
             hf_copy(model_dir, Path(tmp)), dtype=torch.float32
         ).eval()
-        ids = torch.tensor([list(t["text"].encode()[:1024]) for t in frozen_heldout()[:2]])
-        with torch.no_grad():
-            lo = ref(ids).logits
-        return F.cross_entropy(lo[:, :-1].reshape(-1, lo.shape[-1]), ids[:, 1:].reshape(-1)).item()
+    texts = [t["text"].encode()[:1024] for t in frozen_heldout()[:2]]
+    tok = load_tokenizer(model_dir)
+    if getattr(tok, "space_runs", 0):
+        nats = nbytes = 0.0
+        for b in texts:
+            ids = torch.tensor([tok.encode_bytes(b)])
+            with torch.no_grad():
+                lo = ref(ids).logits[0, :-1]
+            nats += F.cross_entropy(lo, ids[0, 1:], reduction="sum").item()
+            nbytes += len(b) - len(tok.token_bytes()[ids[0, 0]])
+        return nats / nbytes
+    ids = torch.tensor([list(b) for b in texts])
+    with torch.no_grad():
+        lo = ref(ids).logits
+    return F.cross_entropy(lo[:, :-1].reshape(-1, lo.shape[-1]), ids[:, 1:].reshape(-1)).item()
