@@ -58,6 +58,28 @@ def register(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
+# ---- the checkpoint's ids ----------------------------------------------------------------------
+class Ids:
+    """A checkpoint's byte tokenizer (its space-run ids, if it has them): bytes to ids and back."""
+
+    def __init__(self, model_dir) -> None:
+        from dist_glm5.checkpoint.tokenizer import ByteTokenizer, load_tokenizer
+
+        tok = load_tokenizer(model_dir)
+        self.tok = tok if isinstance(tok, ByteTokenizer) else ByteTokenizer()
+
+    def __call__(self, data: bytes) -> list[int]:
+        return self.tok.encode_bytes(data)
+
+    def bytes(self, ids) -> bytes:
+        """The bytes of ids, special ids left out."""
+        tb = self.tok.token_bytes()
+        return b"".join(tb[i] for i in ids if i not in self.tok.SPECIAL)
+
+    def text(self, ids) -> str:
+        return self.bytes(ids).decode("utf-8", "replace")
+
+
 # ---- held-out bits per byte ----------------------------------------------------------------
 def heldout_texts() -> list[bytes]:
     from dist_glm5.train.corpus import frozen_heldout
@@ -65,19 +87,20 @@ def heldout_texts() -> list[bytes]:
     return [t["text"].encode() for t in frozen_heldout()]
 
 
-def model_bits_per_byte(model, texts: list[bytes]) -> float:
-    """Mean next-byte cross-entropy over every text (each scored from its first byte), in bits."""
+def model_bits_per_byte(model, texts: list[bytes], enc: Ids) -> float:
+    """Mean next-byte cross-entropy over every text (each scored from its first byte), in bits
+    (with space-run ids: the ids' cross-entropy, per byte they predict)."""
     from dist_glm5.model.reference_loop import full_logits
 
     nats, n = 0.0, 0
     with torch.no_grad():
         for t in texts:
-            ids = list(t)
+            ids = enc(t)
             lo = full_logits(model, ids).float()
             nats += torch.nn.functional.cross_entropy(
                 lo[:-1], torch.tensor(ids[1:]), reduction="sum"
             ).item()
-            n += len(ids) - 1
+            n += len(t) - len(enc.bytes(ids[:1]))
     return nats / n / LN2
 
 
@@ -101,11 +124,11 @@ def byte_model_bits(texts: list[bytes], order: int) -> float:
     return bits / sum(len(t) - 1 for t in texts)
 
 
-def bpb(model, texts) -> dict:
+def bpb(model, texts, enc: Ids) -> dict:
     total = sum(len(t) for t in texts)
     return {
         "texts": f"{len(texts)} x {len(texts[0])} bytes (heldout.json, stdlib held-out split)",
-        "model": round(model_bits_per_byte(model, texts), 4),
+        "model": round(model_bits_per_byte(model, texts, enc), 4),
         "order0_bytes": round(byte_model_bits(texts, 0), 4),
         "order1_bytes": round(byte_model_bits(texts, 1), 4),
         "gzip_9_per_text": round(8 * sum(len(gzip.compress(t, 9)) for t in texts) / total, 4),
@@ -154,11 +177,13 @@ def engine(model_dir, stages=1, mtp=False, dsa=None, blocks=1024, chunk=256, dty
 
 
 # ---- MTP -------------------------------------------------------------------------------------
-def heldout_prompts(texts: list[bytes], n: int, size: int = 384, stride: int = 1024) -> list:
-    """n prompts of `size` bytes: every text's window at 0, then every text's at `stride`, and
-    so on (so the first len(texts) are the texts' openings)."""
-    windows = [list(t[o : o + size]) for o in range(0, max(map(len, texts)), stride) for t in texts]
-    windows = [w for w in windows if len(w) == size]
+def heldout_prompts(
+    texts: list[bytes], n: int, size: int = 384, stride: int = 1024, enc=list
+) -> list:
+    """n prompts of `size` bytes (as ids: enc): every text's window at 0, then every text's at
+    `stride`, and so on (so the first len(texts) are the texts' openings)."""
+    windows = [t[o : o + size] for o in range(0, max(map(len, texts)), stride) for t in texts]
+    windows = [enc(w) for w in windows if len(w) == size]
     if len(windows) < n:
         raise ValueError(f"{n} prompts of {size} bytes asked; the texts hold {len(windows)}")
     return windows[:n]
@@ -171,7 +196,7 @@ def mtp_figures(model_dir, texts, n_tokens: int, n_prompts: int = 6) -> dict:
     from dist_glm5.model.dsa_config import DSAConfig
     from dist_glm5.sampling.params import SamplingParams
 
-    prompts = heldout_prompts(texts, n_prompts)
+    prompts = heldout_prompts(texts, n_prompts, enc=Ids(model_dir))
     out = {
         "prompts": f"{len(prompts)} held-out prompts x 384 bytes, {n_tokens} new tokens each",
         "engine": "the checkpoint's dtype, sparse DSA (as launch generate); decode steps timed",
@@ -244,15 +269,16 @@ def needle_prompts(length: int, filler_kind: str, seed: int):
     else:
         filler = corpus.prose_filler(rng, room, classic=True)
     body = corpus.needle_prompt(rng, filler, needles, (0.05, 0.9))
-    return [list(body + b"\n" + nd.query) for nd in needles], [nd.value for nd in needles]
+    return [body + b"\n" + nd.query for nd in needles], [nd.value for nd in needles]
 
 
-def ask(coord, prompts, answers) -> dict:
+def ask(coord, prompts, answers, enc: Ids) -> dict:
     from dist_glm5.sampling.params import SamplingParams
 
     t0 = time.perf_counter()
-    seqs = coord.run(prompts, SamplingParams(max_tokens=len(answers[0]), ignore_eos=True))
-    got = [bytes(i for i in s.output if i < 256).decode("utf-8", "replace") for s in seqs]
+    ids = [enc(p) for p in prompts]
+    seqs = coord.run(ids, SamplingParams(max_tokens=len(answers[0]), ignore_eos=True))
+    got = [enc.text(s.output)[: len(answers[0])] for s in seqs]
     return {
         "found": sum(g == a for g, a in zip(got, answers)),
         "of": len(answers),
@@ -266,7 +292,7 @@ def needles(model_dir, lengths, stages: int, reference_max: int, index_keys="exa
     """index_keys: the sparse runs' (DSAConfig.index_keys); the dense reference's are exact."""
     from dist_glm5.model.dsa_config import DSAConfig
 
-    out = {}
+    out, enc = {}, Ids(model_dir)
     sparse = DSAConfig(mode="sparse", dense_threshold=0, index_keys=index_keys)
     for length in lengths:
         blocks = 3 * (length // 64 + 4) + 16
@@ -277,13 +303,13 @@ def needles(model_dir, lengths, stages: int, reference_max: int, index_keys="exa
         c = engine(model_dir, stages=stages, dsa=sparse, blocks=blocks, chunk=1024)
         try:
             for kind, (ps, ans) in cases.items():
-                out[f"{length}_{kind}_sparse_{stages}stages"] = ask(c, ps, ans)
+                out[f"{length}_{kind}_sparse_{stages}stages"] = ask(c, ps, ans, enc)
         finally:
             c.close()
         if length <= reference_max:
             c = engine(model_dir, dsa=DSAConfig(mode="reference"), blocks=blocks, chunk=1024)
             for kind, (ps, ans) in cases.items():
-                out[f"{length}_{kind}_reference"] = ask(c, ps, ans)
+                out[f"{length}_{kind}_reference"] = ask(c, ps, ans, enc)
             c.close()
         log.info("needles at %d: %s", length, {k: v["found"] for k, v in out.items()})
     return out
@@ -295,7 +321,7 @@ def mxfp4_figures(model_dir, texts) -> dict:
     from dist_glm5.convert.glm53 import convert_glm53
     from dist_glm5.model.reference_loop import full_logits
 
-    rows = [list(t[:512]) for t in texts[:6]]
+    rows = [Ids(model_dir)(t[:512]) for t in texts[:6]]
     ref = load_model(model_dir, dtype=torch.float32, ops=get_backend("cpu").ops())
     with torch.no_grad():
         want = [full_logits(ref, r).float() for r in rows]
@@ -322,7 +348,8 @@ def repeated_word(model_dir, count: int) -> dict:
     from dist_glm5.model.dsa_config import DSAConfig
     from dist_glm5.sampling.params import SamplingParams
 
-    prompt = list(b"the " * count)
+    enc = Ids(model_dir)
+    prompt = enc(b"the " * count)
     out = {"prompt": f"'the ' x {count} ({len(prompt)} tokens)"}
     for name, dsa in (
         ("sparse", DSAConfig(mode="sparse", dense_threshold=0)),
@@ -331,7 +358,7 @@ def repeated_word(model_dir, count: int) -> dict:
         c = engine(model_dir, dsa=dsa, blocks=len(prompt) // 64 + 8, chunk=1024)
         (s,) = c.run([prompt], SamplingParams(max_tokens=48, ignore_eos=True))
         c.close()
-        text = bytes(i for i in s.output if i < 256).decode("utf-8", "replace")
+        text = enc.text(s.output)
         out[name] = {"continuation": text, "keeps_repeating": text == ("the " * 12)[: len(text)]}
     return out
 
@@ -347,7 +374,9 @@ def run(args) -> int:
     res: dict = {"model": str(model_dir)}
     if "bpb" in args.only:
         res["bits_per_byte"] = bpb(
-            load_model(model_dir, dtype=torch.float32, ops=get_backend("cpu").ops()), texts
+            load_model(model_dir, dtype=torch.float32, ops=get_backend("cpu").ops()),
+            texts,
+            Ids(model_dir),
         )
         log.info("bits/byte: %s", res["bits_per_byte"])
     if "mtp" in args.only:
