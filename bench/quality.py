@@ -67,17 +67,13 @@ class Ids:
 
         tok = load_tokenizer(model_dir)
         self.tok = tok if isinstance(tok, ByteTokenizer) else ByteTokenizer()
+        self.token_bytes = self.tok.token_bytes()
 
     def __call__(self, data: bytes) -> list[int]:
         return self.tok.encode_bytes(data)
 
-    def bytes(self, ids) -> bytes:
-        """The bytes of ids, special ids left out."""
-        tb = self.tok.token_bytes()
-        return b"".join(tb[i] for i in ids if i not in self.tok.SPECIAL)
-
     def text(self, ids) -> str:
-        return self.bytes(ids).decode("utf-8", "replace")
+        return self.tok.decode(ids)
 
 
 # ---- held-out bits per byte ----------------------------------------------------------------
@@ -100,7 +96,7 @@ def model_bits_per_byte(model, texts: list[bytes], enc: Ids) -> float:
             nats += torch.nn.functional.cross_entropy(
                 lo[:-1], torch.tensor(ids[1:]), reduction="sum"
             ).item()
-            n += len(t) - len(enc.bytes(ids[:1]))
+            n += len(t) - len(enc.token_bytes[ids[0]])
     return nats / n / LN2
 
 

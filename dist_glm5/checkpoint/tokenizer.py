@@ -19,6 +19,8 @@ from pathlib import Path
 BYTE_TOKENIZER = "DistGlm5ByteTokenizer"
 MARKER = "dist_glm5_tokenizer"  # the tokenizer_config.json key naming ours (for our loader)
 RUNS_KEY = "dist_glm5_space_runs"  # and its longest space run (absent: 0, bytes only)
+# a run of k spaces is id RUN_BASE + k: FIRST_RUN_ID (k = 2) comes right after <bos> <eos> <pad>
+RUN_BASE, FIRST_RUN_ID = 257, 259
 
 
 ENCODE_PIECE = 1 << 18  # bytes listed per call: a 4 MB prompt would hold the GIL ~100 ms at once
@@ -40,13 +42,13 @@ class ByteTokenizer:
             raise ValueError(f"space_runs={space_runs}: 0 (bytes only) or the longest run, >= 2")
         self.bos_id, self.eos_id, self.pad_id = 256, 257, 258
         self.space_runs = space_runs
-        self.vocab_size = 259 + max(0, space_runs - 1)
+        self.vocab_size = FIRST_RUN_ID + max(0, space_runs - 1)
         self._runs = re.compile(rb" {2,%d}" % space_runs) if space_runs else None
         self._bytes = self.token_bytes()
 
     def run_id(self, k: int) -> int:
         """The id of a run of k spaces (2 <= k <= space_runs)."""
-        return 257 + k
+        return RUN_BASE + k
 
     def encode(self, text: str) -> list[int]:
         return self.encode_bytes(text.encode("utf-8"))
@@ -56,7 +58,7 @@ class ByteTokenizer:
             out, i = [], 0
             for m in self._runs.finditer(data):
                 out += data[i : m.start()]
-                out.append(257 + m.end() - m.start())
+                out.append(RUN_BASE + m.end() - m.start())
                 i = m.end()
             return out + list(data[i:])
         if len(data) <= ENCODE_PIECE:
@@ -94,7 +96,7 @@ def merge_space_runs(ids: list[int], space_runs: int) -> tuple[list[int], list[i
         if ids[i] == 32:
             while k < space_runs and i + k < n and ids[i + k] == 32:
                 k += 1
-        out.append(ids[i] if k == 1 else 257 + k)
+        out.append(ids[i] if k == 1 else RUN_BASE + k)
         starts.append(i)
         i += k
     return out, starts

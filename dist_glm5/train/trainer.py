@@ -81,6 +81,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from dist_glm5.checkpoint.tokenizer import FIRST_RUN_ID
+
 from . import unloop
 from .structure import N_JSON, N_TAG, structure_targets
 
@@ -496,7 +498,9 @@ class Trainer:
         # training-only linear read-outs of the offset heads (not exported): each head's output
         # must name the byte it reads, so the induction head has keys to match (with space-run
         # ids, the runs too)
-        self.space_runs = cfg.vocab_size > 259
+        # ByteTokenizer(space_runs)'s vocabulary: runs of 2..R spaces are its last R - 1 ids
+        v = cfg.vocab_size
+        self.space_runs = v - FIRST_RUN_ID + 1 if v > FIRST_RUN_ID else 0
         self.n_read = cfg.vocab_size if self.space_runs else 256
         self.readout = torch.nn.Linear(cfg.v_head_dim, self.n_read * len(OFFSETS))
         n_col = COLUMN_WINDOW + 1
@@ -580,7 +584,7 @@ class Trainer:
             lo = self.readout(v[:, k:, h])[..., n * h : n * (h + 1)]
             # <eos> (chat rows) is no byte to name, nor a key across a position jump: not counted
             byte = ids[:, :-k].masked_fill(~near, -100).reshape(-1)
-            byte = byte.masked_fill((byte > 255) & (byte < 259), -100)
+            byte = byte.masked_fill((byte > 255) & (byte < FIRST_RUN_ID), -100)
             readout = readout + F.cross_entropy(lo.reshape(-1, n), byte)
         out = {"offset": offset / len(OFFSETS), "readout": readout / len(OFFSETS)}
         if self.space_runs:  # an indentation is one id: nothing to count (no column losses)
@@ -649,7 +653,9 @@ class Trainer:
         """The structure read-outs (structure.py) from INDENT_LAYER's output of the last
         `losses` call: the innermost open tag and the JSON context after each id."""
         # a space run is spaces to the tag and JSON scan (ids after the specials)
-        rows = [structure_targets([32 if i > 258 else i for i in r]) for r in ids.tolist()]
+        rows = [
+            structure_targets([32 if i >= FIRST_RUN_ID else i for i in r]) for r in ids.tolist()
+        ]
         tag = torch.tensor([r[0] for r in rows])
         js = torch.tensor([r[1] for r in rows])
         h = self.outputs[INDENT_LAYER]
@@ -1307,9 +1313,8 @@ def export(tr: Trainer, dst: Path) -> None:
     sd = tr.hf_state_dict()
     fp32 = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
     sd = {k: v.float() if k.endswith(fp32) else v.to(torch.bfloat16) for k, v in sd.items()}
-    space_runs = tr.cfg.vocab_size - 258 if tr.space_runs else 0  # runs of 2..R: R - 1 ids
-    (dst / "config.json").write_text(json.dumps(train_config(space_runs), indent=2) + "\n")
-    write_tokenizer_files(dst, space_runs)
+    (dst / "config.json").write_text(json.dumps(train_config(tr.space_runs), indent=2) + "\n")
+    write_tokenizer_files(dst, tr.space_runs)
     save_streaming(dst / "model.safetensors", sd, metadata={"format": "pt"})
     log.info("exported %d tensors to %s", len(sd), dst)
     rep = {"heldout_loss_test_slice": heldout_loss(dst), "test_slice": TEST_SLICE}
