@@ -450,19 +450,37 @@ def test_unloop_loss_pushes_down_the_models_own_loop():
     assert after < before
 
 
-def test_unloop_prompts_are_one_length_and_end_where_the_model_should_write():
+def _unloop_data(space_runs: int) -> td.Data:
     data = td.Data.__new__(td.Data)  # the corpus' text and words without loading the stdlib
-    data.seed, data.text = (
+    data.seed, data.space_runs, data.text = (
         3,
+        space_runs,
         b"".join(b"def f%d(x):\n    return x + %d\n\n" % (i, i) for i in range(400)),
     )
     data.words = Words.from_text(data.text)
+    return data
+
+
+def test_unloop_prompts_are_one_length_and_end_where_the_model_should_write():
+    data = _unloop_data(0)
     prompts = data.unloop_prompts(5)
     assert prompts == data.unloop_prompts(5)  # a function of seed and step
     n_code, n_chat = td.UNLOOP_ROWS
     assert len(prompts) == n_code + n_chat and {len(p) for p in prompts} == {unloop.PROMPT}
     assert all(bytes(p).endswith(b"\n") for p in prompts[:n_code])
     assert all(bytes(p).endswith(b"<|assistant|>\n") for p in prompts[n_code:])
+
+
+def test_unloop_prompts_with_space_runs_are_the_byte_prompts_as_the_tokenizer_reads_them():
+    from dist_glm5.checkpoint.tokenizer import ByteTokenizer
+
+    as_bytes, as_runs = _unloop_data(0).unloop_prompts(5), _unloop_data(16).unloop_prompts(5)
+    tok = ByteTokenizer(16)
+    for b, r in zip(as_bytes, as_runs, strict=True):
+        # the same text, and exactly the ids the tokenizer gives it (its regex, not the merge)
+        assert tok.decode(r, skip_special_tokens=False) == bytes(b).decode()
+        assert r == tok.encode_bytes(bytes(b))
+    assert all(tok.run_id(4) in p and len(p) < unloop.PROMPT for p in as_runs[: td.UNLOOP_ROWS[0]])
 
 
 def test_unloop_at_long_goes_before_the_long_phases():
@@ -557,5 +575,3 @@ def test_a_space_run_run_exports_its_tokenizer_and_resumes_only_as_itself(tmp_pa
     assert td.export_state(tmp_path / "run", tmp_path / "again", seed=3) == 1
     with pytest.raises(ValueError, match="--space-runs 16"):
         td.train(tmp_path / "run", steps=2, seed=3)
-    with pytest.raises(ValueError, match="--unloop"):
-        td.train(tmp_path / "x", steps=1, space_runs=16, unloop_steps=10)

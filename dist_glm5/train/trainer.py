@@ -981,7 +981,12 @@ class Data:
         rng = random.Random(f"unloop:{self.seed}:{step}")
         n_code, n_chat = UNLOOP_ROWS
         code = [unloop.code_prompt(rng, self.text) for _ in range(n_code)]
-        return code + [unloop.chat_prompt(rng, self.words) for _ in range(n_chat)]
+        prompts = code + [unloop.chat_prompt(rng, self.words) for _ in range(n_chat)]
+        if self.space_runs:  # the ids the model reads (a prompt then holds fewer than PROMPT)
+            from dist_glm5.checkpoint.tokenizer import merge_space_runs
+
+            prompts = [merge_space_runs(p, self.space_runs)[0] for p in prompts]
+        return prompts
 
     def batch(self, step: int, seq: int, batch: int, mix: str = "base"):
         """(ids [batch, seq], induction targets [batch, seq], assistant's ids [batch, seq])."""
@@ -1157,11 +1162,6 @@ def train(
     space_runs: the vocabulary of ByteTokenizer(space_runs) (0: bytes, the committed recipe)."""
     from tqdm import tqdm
 
-    if space_runs and unloop_steps:
-        raise ValueError(
-            "--space-runs with --unloop: the unloop phase's prompts are bytes of one length; "
-            "use one of the two"
-        )
     plan = phases(base_extra, unloop_steps, unloop_at)
     steps = plan[-1].end if steps is None else steps
     torch.set_num_threads(threads)
