@@ -80,6 +80,13 @@ def register(p: argparse.ArgumentParser) -> None:
         "ids): an indentation is one choice (0: bytes only, the committed recipe)",
     )
     p.add_argument(
+        "--chat-tags",
+        action="store_true",
+        help="one id for each tag of the chat format (<tool_call>, </arg_value>, <|user|>, ...; "
+        "GLM's tokenizer has such ids): a call's tags are one choice each (off: bytes, the "
+        "committed recipe)",
+    )
+    p.add_argument(
         "--export-only",
         action="store_true",
         help="export the run's last saved step to --export and stop (gate a run as it goes)",
@@ -112,5 +119,6 @@ def run(args: argparse.Namespace) -> int:
         unloop_at=args.unloop_at,
         reindent=args.reindent,
         space_runs=args.space_runs,
+        chat_tags=args.chat_tags,
     )
     return 0

@@ -94,6 +94,18 @@ def test_space_run_ids_fit_the_schema(i):
     assert ended and content == "" and 1 <= len(calls) <= 2, text
 
 
+@pytest.mark.parametrize("i", range(6))
+def test_chat_tag_ids_keep_tool_calls_valid(i):
+    """With one id per chat tag (favoured here), a call's tags go in as those ids and the
+    outputs still parse and validate."""
+    tagged = ByteTokenizer(16, chat_tags=True)
+    bias = torch.zeros(tagged.vocab_size)
+    bias[tagged.first_tag_id :] = 3.0
+    text, ended = walk(GrammarSpec.tool_calls(FUNCTIONS, 1, 2), seed=i, tok=tagged, bias=bias)
+    content, calls = parse_tool_calls(text, {f["name"]: f["parameters"] for f in FUNCTIONS})
+    assert ended and content == "" and 1 <= len(calls) <= 2, text
+
+
 def test_a_space_run_is_allowed_where_its_spaces_fit():
     runs = ByteTokenizer(16)
     m = GrammarMatcher(GrammarSpec.json_schema({"type": "string", "maxLength": 5}), runs, 274, EOS)

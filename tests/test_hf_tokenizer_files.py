@@ -236,11 +236,9 @@ def test_space_runs_are_one_id_each_longest_first():
 @SETTINGS
 @given(st.lists(st.sampled_from([32, 32, 32, 10, 97, 256, 257]), max_size=80))
 def test_merging_ids_is_encoding_their_bytes(ids):
-    """merge_space_runs (the trainer's, on ids with special ids among them) against the
-    tokenizer's regex on bytes, piece by piece between the special ids; starts map back."""
-    from dist_glm5.checkpoint.tokenizer import merge_space_runs
-
-    got, starts = merge_space_runs(ids, 16)
+    """merge (the trainer's, on ids with special ids among them) against the tokenizer's regex
+    on bytes, piece by piece between the special ids; starts map back."""
+    got, starts = RUNS.merge(ids)
     want, piece = [], []
     for i in [*ids, None]:
         if i is None or i >= 256:
@@ -275,3 +273,90 @@ def test_space_runs_directory_is_transformers_tokenizer_exactly(hf_runs):
 def test_space_runs_any_text(hf_runs, text):
     assert hf_runs[1].encode(text) == RUNS.encode(text)
     assert RUNS.decode(RUNS.encode(text)) == text
+
+
+# ---- chat tags (a trainer run's --chat-tags) ------------------------------------------------
+TAGGED = ByteTokenizer(16, chat_tags=True)
+
+
+@pytest.fixture(scope="module")
+def hf_tags(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tags")
+    write_tokenizer_files(d, 16, chat_tags=True)
+    return d, AutoTokenizer.from_pretrained(d)
+
+
+def test_chat_tags_are_one_id_each_after_the_runs():
+    from dist_glm5.checkpoint.tokenizer import CHAT_TAGS
+
+    assert TAGGED.vocab_size == 274 + len(CHAT_TAGS) == 286
+    assert ByteTokenizer(0, chat_tags=True).tag_id("<|system|>") == 259  # no runs: after <pad>
+    text = "<tool_call>f<arg_key>k</arg_key><arg_value>  v</arg_value></tool_call><tool_call"
+    v, t = TAGGED.tag_id, TAGGED.tag_id
+    want = [t("<tool_call>"), 102, t("<arg_key>"), 107, t("</arg_key>"), t("<arg_value>")]
+    want += [257 + 2, 118, v("</arg_value>"), v("</tool_call>")] + list(b"<tool_call")
+    assert TAGGED.encode(text) == want  # a tag cut short stays bytes
+    assert TAGGED.decode(want) == text
+    assert [TAGGED.token_bytes()[TAGGED.tag_id(x)] for x in CHAT_TAGS] == [
+        x.encode() for x in CHAT_TAGS
+    ]
+
+
+@SETTINGS
+@given(
+    st.lists(
+        st.sampled_from([*b"<>/|_ ak", *b"<arg_key>", *b"</arg_value>", *b"<|user|>", 256, 257]),
+        max_size=80,
+    )
+)
+def test_merging_ids_with_tags_is_encoding_their_bytes(ids):
+    got, starts = TAGGED.merge(ids)
+    want, piece = [], []
+    for i in [*ids, None]:
+        if i is None or i >= 256:
+            want += TAGGED.encode_bytes(bytes(piece)) + ([] if i is None else [i])
+            piece = []
+        else:
+            piece.append(i)
+    assert got == want
+    tb = TAGGED.token_bytes()
+    assert [b for i in got for b in tb[i]] == [b for i in ids for b in tb[i]]
+    assert all(ids[s] == tb[g][0] for g, s in zip(got, starts, strict=True) if g not in (256, 257))
+
+
+def test_chat_tags_directory_is_transformers_tokenizer_exactly(hf_tags):
+    from dist_glm5.checkpoint.byte_chat import simple_chat
+
+    d, hf = hf_tags
+    ours = load_tokenizer(d)
+    assert type(ours) is ByteTokenizer and (ours.space_runs, ours.chat_tags) == (16, True)
+    assert sorted(hf.get_vocab().values()) == list(range(286))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    chat = simple_chat(
+        [
+            {"role": "user", "content": "Call f  now <|user|> <arg_value>"},
+            {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {}}]},
+            {"role": "tool", "content": '{"ok": true}'},
+        ],
+        tools,
+    )
+    for text in [*corpus(), chat, "<tool_call><tool_call>x</tool_call", "<|assistant|><eos>"]:
+        ids = TAGGED.encode(text)
+        assert hf.encode(text) == ids == ours.encode(text)
+        for skip in (True, False):
+            assert hf.decode(ids, skip_special_tokens=skip) == TAGGED.decode(ids, skip)
+    assert TAGGED.tag_id("<|assistant|>") in TAGGED.encode(chat)
+
+
+@SETTINGS
+@given(
+    st.lists(
+        st.sampled_from(
+            ["<tool_call>", "</arg_value>", "<|user|>", "<", "/", " ", "a", "é", "<eos>"]
+        ),
+        max_size=40,
+    ).map("".join)
+)
+def test_chat_tags_any_text(hf_tags, text):
+    assert hf_tags[1].encode(text) == TAGGED.encode(text)
+    assert TAGGED.decode(TAGGED.encode(text)) == text

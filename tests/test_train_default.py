@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from dist_glm5.checkpoint.tokenizer import ByteTokenizer
 from dist_glm5.train import trainer as td
 from dist_glm5.train import unloop
 from dist_glm5.train.chat_corpus import Words
@@ -452,9 +453,9 @@ def test_unloop_loss_pushes_down_the_models_own_loop():
 
 def _unloop_data(space_runs: int) -> td.Data:
     data = td.Data.__new__(td.Data)  # the corpus' text and words without loading the stdlib
-    data.seed, data.space_runs, data.text = (
+    data.seed, data.tok, data.text = (
         3,
-        space_runs,
+        ByteTokenizer(space_runs),
         b"".join(b"def f%d(x):\n    return x + %d\n\n" % (i, i) for i in range(400)),
     )
     data.words = Words.from_text(data.text)
@@ -472,8 +473,6 @@ def test_unloop_prompts_are_one_length_and_end_where_the_model_should_write():
 
 
 def test_unloop_prompts_with_space_runs_are_the_byte_prompts_as_the_tokenizer_reads_them():
-    from dist_glm5.checkpoint.tokenizer import ByteTokenizer
-
     as_bytes, as_runs = _unloop_data(0).unloop_prompts(5), _unloop_data(16).unloop_prompts(5)
     tok = ByteTokenizer(16)
     for b, r in zip(as_bytes, as_runs, strict=True):
@@ -535,7 +534,7 @@ def test_reindent_gives_four_space_steps_at_most_one_deeper_and_at_most_the_cap(
 def test_space_run_rows_point_the_source_map_at_the_merged_ids():
     doc = list(b"a   b\n  a   b")
     src = [-1] * 8 + [0, 1, 2, 3, 4]
-    ids, src_t, reply = td.space_run_row(doc, src, [False] * 8 + [True] * 5, 16)
+    ids, src_t, reply = td.merged_row(doc, src, [False] * 8 + [True] * 5, ByteTokenizer(16))
     r2, r3 = 257 + 2, 257 + 3
     assert ids == [97, r3, 98, 10, r2, 97, r3, 98]
     assert src_t == [-1, -1, -1, -1, -1, 0, 1, 2]
@@ -545,7 +544,7 @@ def test_space_run_rows_point_the_source_map_at_the_merged_ids():
 
 @pytest.mark.parametrize("mix", ["base", "long"])
 def test_space_run_batches_hold_runs_and_their_induction_keys_hold_the_next_id(mix):
-    data = td.Data(seed=5, space_runs=16)
+    data = td.Data(seed=5, tok=ByteTokenizer(16))
     ids, induction, reply = data.batch(step=7, seq=512, batch=8, mix=mix)
     assert ids.shape == induction.shape == reply.shape == (8, 512)
     assert (ids > 258).any() and (ids < 274).all()  # runs of spaces, and nothing past them
@@ -575,3 +574,59 @@ def test_a_space_run_run_exports_its_tokenizer_and_resumes_only_as_itself(tmp_pa
     assert td.export_state(tmp_path / "run", tmp_path / "again", seed=3) == 1
     with pytest.raises(ValueError, match="--space-runs 16"):
         td.train(tmp_path / "run", steps=2, seed=3)
+
+
+# ---- chat tags (--chat-tags) ---------------------------------------------------------------------
+TAGGED = ByteTokenizer(16, chat_tags=True)
+
+
+def test_chat_tag_batches_hold_tag_ids_and_their_induction_keys_hold_the_next_id():
+    data = td.Data(seed=5, tok=TAGGED)
+    ids, induction, reply = data.batch(step=7, seq=512, batch=8, mix="base")
+    assert ids.shape == (8, 512) and (ids < TAGGED.vocab_size).all()
+    tags = ids >= TAGGED.first_tag_id
+    assert tags.any() and (ids[tags] != TAGGED.tag_id("</arg_value>")).any()
+    tb = TAGGED.token_bytes()
+    for row in ids.tolist():  # every tag and run in a row is its id: merging again changes nothing
+        flat = [b for i in row for b in ([i] if i in (256, 257) else tb[i])]
+        assert TAGGED.merge(flat)[0] == row
+    b, t = torch.nonzero(induction >= 0, as_tuple=True)
+    k = induction[b, t]
+    assert torch.equal(ids[b, k], ids[b, t + 1]) and torch.equal(ids[b, k - 1], ids[b, t])
+    # an assistant's reply starts after its tag: the tag itself is the prompt's
+    assert not reply[ids == TAGGED.tag_id("<|assistant|>")].any()
+
+
+def test_structure_targets_of_tag_ids_are_those_of_their_last_byte():
+    """The open tag and JSON context after each merged id equal the byte scan's after the last
+    byte it holds (the ids' ends from merge's starts, not from the targets' own expansion)."""
+    from dist_glm5.train.chat_corpus import ChatDoc, Words, tool_chat
+    from dist_glm5.train.structure import structure_targets
+
+    w = Words.from_text(b"".join(b"def f%d(x):\n    return x\n" % i for i in range(300)))
+    doc = ChatDoc()
+    for seed in range(6):
+        tool_chat(random.Random(seed), w, doc)
+    merged, starts = TAGGED.merge(doc.ids)
+    ends = [s - 1 for s in starts[1:]] + [len(doc.ids) - 1]
+    tag, js = structure_targets(doc.ids)
+    assert td.structure_row(merged, TAGGED) == ([tag[e] for e in ends], [js[e] for e in ends])
+    assert max(tag) > 0 and any(i >= TAGGED.first_tag_id for i in merged)
+
+
+def test_a_chat_tags_run_exports_its_tokenizer_and_resumes_only_as_itself(tmp_path):
+    from transformers import AutoTokenizer
+
+    from dist_glm5.checkpoint.tokenizer import load_tokenizer
+
+    td.train(
+        tmp_path / "run", steps=1, seed=3, space_runs=16, chat_tags=True, export_to=tmp_path / "exp"
+    )
+    cfg = json.loads((tmp_path / "exp" / "config.json").read_text())
+    tok = load_tokenizer(tmp_path / "exp")
+    assert cfg["vocab_size"] == tok.vocab_size == 286 and tok.chat_tags
+    text = "<|user|>\nhi<|assistant|>\n<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value>"
+    assert AutoTokenizer.from_pretrained(tmp_path / "exp").encode(text) == tok.encode(text)
+    assert td.export_state(tmp_path / "run", tmp_path / "again", seed=3) == 1
+    with pytest.raises(ValueError, match="--chat-tags"):
+        td.train(tmp_path / "run", steps=2, seed=3, space_runs=16)

@@ -19,8 +19,25 @@ from pathlib import Path
 BYTE_TOKENIZER = "DistGlm5ByteTokenizer"
 MARKER = "dist_glm5_tokenizer"  # the tokenizer_config.json key naming ours (for our loader)
 RUNS_KEY = "dist_glm5_space_runs"  # and its longest space run (absent: 0, bytes only)
+TAGS_KEY = "dist_glm5_chat_tags"  # and whether CHAT_TAGS are ids (absent: false)
 # a run of k spaces is id RUN_BASE + k: FIRST_RUN_ID (k = 2) comes right after <bos> <eos> <pad>
 RUN_BASE, FIRST_RUN_ID = 257, 259
+# the chat format's tags (byte_chat.simple_chat), one id each after the runs: GLM's tokenizer has
+# them as single tokens too
+CHAT_TAGS = (
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "<tool_response>",
+    "</tool_response>",
+)
 
 
 ENCODE_PIECE = 1 << 18  # bytes listed per call: a 4 MB prompt would hold the GIL ~100 ms at once
@@ -28,37 +45,55 @@ ENCODE_PIECE = 1 << 18  # bytes listed per call: a 4 MB prompt would hold the GI
 
 class ByteTokenizer:
     """ids 0..255 are bytes; then <bos>, <eos>, <pad>; then, with space_runs R > 1, runs of 2..R
-    spaces (id 257 + k for a run of k), taken greedily from the left. Needs no download.
+    spaces (id 257 + k for a run of k), taken greedily from the left; then, with chat_tags, one id
+    per tag of CHAT_TAGS. Needs no download.
 
     Why runs: a byte model chooses an indentation one space at a time, and greedy decoding of
     the trained default model kept choosing "one more" (96 spaces after a line of code). With a
     run one id, the indentation is one choice, and after a run (longest first) comes no space.
-    GLM's own tokenizer has whitespace-run ids too."""
+    Why tags: in bytes, `<arg_value>` and `</arg_value>` end with the same 10 bytes, and a model
+    that missed the `/` 11 bytes back closed a call where its value should start; one id each,
+    the previous id tells them apart. GLM's own tokenizer has whitespace-run and tag ids too."""
 
     SPECIAL = {256: "<bos>", 257: "<eos>", 258: "<pad>"}
 
-    def __init__(self, space_runs: int = 0) -> None:
+    def __init__(self, space_runs: int = 0, chat_tags: bool = False) -> None:
         if space_runs < 0 or space_runs == 1:
             raise ValueError(f"space_runs={space_runs}: 0 (bytes only) or the longest run, >= 2")
         self.bos_id, self.eos_id, self.pad_id = 256, 257, 258
-        self.space_runs = space_runs
-        self.vocab_size = FIRST_RUN_ID + max(0, space_runs - 1)
-        self._runs = re.compile(rb" {2,%d}" % space_runs) if space_runs else None
+        self.space_runs, self.chat_tags = space_runs, chat_tags
+        self.first_tag_id = FIRST_RUN_ID + max(0, space_runs - 1)
+        tags = CHAT_TAGS if chat_tags else ()
+        self.vocab_size = self.first_tag_id + len(tags)
+        self._tag_ids = {t.encode(): self.first_tag_id + i for i, t in enumerate(tags)}
+        pieces = [re.escape(t) for t in self._tag_ids]
+        if space_runs:
+            pieces.append(rb" {2,%d}" % space_runs)
+        self._pieces = re.compile(b"|".join(pieces)) if pieces else None
         self._bytes = self.token_bytes()
+
+    @property
+    def merges(self) -> bool:
+        """Does an id ever hold more than one byte (runs or tags)?"""
+        return self._pieces is not None
 
     def run_id(self, k: int) -> int:
         """The id of a run of k spaces (2 <= k <= space_runs)."""
         return RUN_BASE + k
 
+    def tag_id(self, tag: str) -> int:
+        return self._tag_ids[tag.encode()]
+
     def encode(self, text: str) -> list[int]:
         return self.encode_bytes(text.encode("utf-8"))
 
     def encode_bytes(self, data: bytes) -> list[int]:
-        if self._runs is not None:  # the regex's greedy runs are merge_space_runs' exactly
+        if self._pieces is not None:  # the regex's leftmost pieces are merge()'s exactly
             out, i = [], 0
-            for m in self._runs.finditer(data):
+            for m in self._pieces.finditer(data):
                 out += data[i : m.start()]
-                out.append(RUN_BASE + m.end() - m.start())
+                piece = m.group(0)
+                out.append(self._tag_ids.get(piece) or RUN_BASE + len(piece))
                 i = m.end()
             return out + list(data[i:])
         if len(data) <= ENCODE_PIECE:
@@ -68,10 +103,33 @@ class ByteTokenizer:
             out += data[i : i + ENCODE_PIECE]
         return out
 
+    def merge(self, ids: list[int]) -> tuple[list[int], list[int]]:
+        """ids (bytes, special ids among them) -> (the ids this tokenizer reads them as: every
+        tag one id, every run of 2..space_runs spaces one id, longest first from the left; where
+        each new id starts in the old ids)."""
+        out, starts, i, n = [], [], 0, len(ids)
+        tags = self._tag_ids
+        while i < n:
+            k, new = 1, ids[i]
+            if new == 60 and tags:  # "<": a tag?
+                for tb, tid in tags.items():
+                    if ids[i : i + len(tb)] == list(tb):
+                        k, new = len(tb), tid
+                        break
+            elif new == 32 and self.space_runs:
+                while k < self.space_runs and i + k < n and ids[i + k] == 32:
+                    k += 1
+                new = 32 if k == 1 else RUN_BASE + k
+            out.append(new)
+            starts.append(i)
+            i += k
+        return out, starts
+
     def token_bytes(self) -> list[bytes]:
         """Every id's bytes, in id order (what a grammar engine indexes: sampling/grammar.py)."""
         runs = [b" " * k for k in range(2, self.space_runs + 1)]
-        return [bytes([i]) for i in range(256)] + [b"<bos>", b"<eos>", b"<pad>"] + runs
+        specials = [b"<bos>", b"<eos>", b"<pad>"]
+        return [bytes([i]) for i in range(256)] + specials + runs + list(self._tag_ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         b = self._bytes
@@ -85,21 +143,6 @@ class ByteTokenizer:
             out += [run.decode("utf-8", errors="replace"), self.SPECIAL[i]]
             run = bytearray()
         return "".join(out) + run.decode("utf-8", errors="replace")
-
-
-def merge_space_runs(ids: list[int], space_runs: int) -> tuple[list[int], list[int]]:
-    """ids (bytes, special ids among them) -> (ids with every run of 2..space_runs spaces one id,
-    longest first from the left; where each new id starts in the old ids)."""
-    out, starts, i, n = [], [], 0, len(ids)
-    while i < n:
-        k = 1
-        if ids[i] == 32:
-            while k < space_runs and i + k < n and ids[i + k] == 32:
-                k += 1
-        out.append(ids[i] if k == 1 else RUN_BASE + k)
-        starts.append(i)
-        i += k
-    return out, starts
 
 
 class HFTokenizer:
@@ -126,7 +169,7 @@ def load_tokenizer(model_dir: str | Path):
     if tc.exists():
         cfg = json.loads(tc.read_text())
         if BYTE_TOKENIZER in (cfg.get(MARKER), cfg.get("tokenizer_class")):  # the latter: old dirs
-            return ByteTokenizer(int(cfg.get(RUNS_KEY, 0)))
+            return ByteTokenizer(int(cfg.get(RUNS_KEY, 0)), bool(cfg.get(TAGS_KEY, False)))
     if (d / "tokenizer.json").exists():
         return HFTokenizer(d / "tokenizer.json")
     return None
@@ -144,21 +187,27 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(sorted(out.items()))
 
 
-def hf_tokenizer_json(space_runs: int = 0) -> str:
-    """tokenizer.json (Hugging Face tokenizers) equal to ByteTokenizer(space_runs): ids and text
-    alike."""
+def hf_tokenizer_json(space_runs: int = 0, chat_tags: bool = False) -> str:
+    """tokenizer.json (Hugging Face tokenizers) equal to ByteTokenizer(space_runs, chat_tags):
+    ids and text alike."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    bt = ByteTokenizer(space_runs)
+    bt = ByteTokenizer(space_runs, chat_tags)
     uni = _bytes_to_unicode()
     vocab = {ch: b for b, ch in uni.items()}
     specials = [bt.SPECIAL[i] for i in sorted(bt.SPECIAL)]
-    if space_runs:
-        # every piece one id: a run of spaces (longest first) or one byte's character
+    if bt.merges:
+        # every piece one id: a tag, a run of spaces (longest first) or one byte's character (a
+        # tag's characters are printable ASCII: byte-level keeps them as they are)
         vocab.update({t: i for i, t in bt.SPECIAL.items()})
         vocab.update({uni[32] * k: bt.run_id(k) for k in range(2, space_runs + 1)})
+        tags = CHAT_TAGS if chat_tags else ()
+        vocab.update({t: bt.tag_id(t) for t in tags})
+        pieces = [re.escape(t) for t in tags]
+        if space_runs:
+            pieces.append(f"{uni[32]}{{2,{space_runs}}}")
         tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=specials[-1]))
-        split = pre_tokenizers.Split(Regex(f"{uni[32]}{{2,{space_runs}}}|."), "isolated")
+        split = pre_tokenizers.Split(Regex("|".join([*pieces, "."])), "isolated")
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False), split]
         )
@@ -173,9 +222,9 @@ def hf_tokenizer_json(space_runs: int = 0) -> str:
     return tok.to_str(pretty=True) + "\n"
 
 
-def hf_tokenizer_config(space_runs: int = 0) -> dict:
+def hf_tokenizer_config(space_runs: int = 0, chat_tags: bool = False) -> dict:
     """tokenizer_config.json: transformers' fast tokenizer over tokenizer.json, and our marker."""
-    bt = ByteTokenizer(space_runs)
+    bt = ByteTokenizer(space_runs, chat_tags)
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         MARKER: BYTE_TOKENIZER,
@@ -187,16 +236,19 @@ def hf_tokenizer_config(space_runs: int = 0) -> dict:
     }
     if space_runs:
         cfg[RUNS_KEY] = space_runs
+    if chat_tags:
+        cfg[TAGS_KEY] = True
     return cfg
 
 
-def write_tokenizer_files(model_dir: str | Path, space_runs: int = 0) -> None:
+def write_tokenizer_files(model_dir: str | Path, space_runs: int = 0, chat_tags: bool = False):
     """The byte tokenizer's files in model_dir: tokenizer.json and tokenizer_config.json (each
     replaced atomically; tokenizer.json first, so a reader never finds the new config alone)."""
     d = Path(model_dir)
     files = {
-        "tokenizer.json": hf_tokenizer_json(space_runs),
-        "tokenizer_config.json": json.dumps(hf_tokenizer_config(space_runs), indent=2) + "\n",
+        "tokenizer.json": hf_tokenizer_json(space_runs, chat_tags),
+        "tokenizer_config.json": json.dumps(hf_tokenizer_config(space_runs, chat_tags), indent=2)
+        + "\n",
     }
     for name, text in files.items():
         tmp = d / f".{name}.tmp{os.getpid()}"

@@ -81,7 +81,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from dist_glm5.checkpoint.tokenizer import FIRST_RUN_ID
+from dist_glm5.checkpoint.tokenizer import FIRST_RUN_ID, ByteTokenizer
 
 from . import unloop
 from .structure import N_JSON, N_TAG, structure_targets
@@ -305,11 +305,9 @@ MIXES = {
 
 
 # ---- the model -------------------------------------------------------------------------------
-def train_config(space_runs: int = 0) -> dict:
-    """TRAIN_CONFIG, its vocabulary that of ByteTokenizer(space_runs)."""
-    from dist_glm5.checkpoint.tokenizer import ByteTokenizer
-
-    return dict(TRAIN_CONFIG, vocab_size=ByteTokenizer(space_runs).vocab_size)
+def train_config(space_runs: int = 0, chat_tags: bool = False) -> dict:
+    """TRAIN_CONFIG, its vocabulary that of ByteTokenizer(space_runs, chat_tags)."""
+    return dict(TRAIN_CONFIG, vocab_size=ByteTokenizer(space_runs, chat_tags).vocab_size)
 
 
 def hf_config(raw: dict | None = None):
@@ -467,7 +465,9 @@ def _indexer_forward(
 
 
 class Trainer:
-    def __init__(self, cfg, seed: int, line_heads: bool = False):
+    def __init__(self, cfg, seed: int, line_heads: bool = False, tok: ByteTokenizer | None = None):
+        """tok: the vocabulary's tokenizer (default: bytes, or space runs by the vocabulary's
+        size)."""
         from transformers import GlmMoeDsaForCausalLM
 
         torch.manual_seed(seed)
@@ -500,8 +500,11 @@ class Trainer:
         # ids, the runs too)
         # ByteTokenizer(space_runs)'s vocabulary: runs of 2..R spaces are its last R - 1 ids
         v = cfg.vocab_size
-        self.space_runs = v - FIRST_RUN_ID + 1 if v > FIRST_RUN_ID else 0
-        self.n_read = cfg.vocab_size if self.space_runs else 256
+        self.tok = tok or ByteTokenizer(v - FIRST_RUN_ID + 1 if v > FIRST_RUN_ID else 0)
+        if self.tok.vocab_size != v:
+            raise ValueError(f"vocab_size {v}, but the tokenizer has {self.tok.vocab_size} ids")
+        self.space_runs = self.tok.space_runs
+        self.n_read = cfg.vocab_size if self.tok.merges else 256
         self.readout = torch.nn.Linear(cfg.v_head_dim, self.n_read * len(OFFSETS))
         n_col = COLUMN_WINDOW + 1
         self.columns = torch.nn.ModuleDict(
@@ -652,10 +655,7 @@ class Trainer:
     def structure_losses(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The structure read-outs (structure.py) from INDENT_LAYER's output of the last
         `losses` call: the innermost open tag and the JSON context after each id."""
-        # a space run is spaces to the tag and JSON scan (ids after the specials)
-        rows = [
-            structure_targets([32 if i >= FIRST_RUN_ID else i for i in r]) for r in ids.tolist()
-        ]
+        rows = [structure_row(r, self.tok) for r in ids.tolist()]
         tag = torch.tensor([r[0] for r in rows])
         js = torch.tensor([r[1] for r in rows])
         h = self.outputs[INDENT_LAYER]
@@ -925,11 +925,11 @@ class Trainer:
 
 # ---- data --------------------------------------------------------------------------------------
 class Data:
-    def __init__(self, seed: int, reindent: bool = False, space_runs: int = 0):
+    def __init__(self, seed: int, reindent: bool = False, tok: ByteTokenizer | None = None):
         from . import chat_corpus, corpus
 
         self.corpus, self.chat = corpus, chat_corpus
-        self.space_runs = space_runs  # rows of ByteTokenizer(space_runs)'s ids (0: bytes)
+        self.tok = tok or ByteTokenizer()  # rows of its ids (bytes, or runs and tags merged)
         files = corpus.load_split("train")
         if reindent:  # the code's indentation as the column read-outs count it (corpus.reindent)
             files = [(r, corpus.reindent(b, cap=COLUMN_WINDOW)) for r, b in files]
@@ -947,7 +947,7 @@ class Data:
         where the byte is not inside a repeat, whether the id is an assistant's (chat rows))."""
         f, u = MIXES[mix], rng.random()
         src = None
-        m = n + n // 2 if self.space_runs else n  # bytes enough for n ids once runs are merged
+        m = n + n // 2 if self.tok.merges else n  # bytes enough for n ids once merged
         if u < f["needle"]:
             if rng.random() < 0.5:
                 filler = self.window(rng, n)
@@ -970,8 +970,8 @@ class Data:
 
     def _row(self, ids: list[int], src: list[int], reply: list[bool], n: int):
         """A row of n ids (space runs merged, padded with newlines or cut) and its targets."""
-        if self.space_runs:
-            ids, src, reply = space_run_row(ids, src, reply, self.space_runs)
+        if self.tok.merges:
+            ids, src, reply = merged_row(ids, src, reply, self.tok)
         pad = max(0, n - len(ids))
         ids, src = (ids + [10] * pad)[:n], (src + [-1] * pad)[:n]
         return ids, induction_targets(ids, src), (reply + [False] * pad)[:n]
@@ -982,10 +982,8 @@ class Data:
         n_code, n_chat = UNLOOP_ROWS
         code = [unloop.code_prompt(rng, self.text) for _ in range(n_code)]
         prompts = code + [unloop.chat_prompt(rng, self.words) for _ in range(n_chat)]
-        if self.space_runs:  # the ids the model reads (a prompt then holds fewer than PROMPT)
-            from dist_glm5.checkpoint.tokenizer import merge_space_runs
-
-            prompts = [merge_space_runs(p, self.space_runs)[0] for p in prompts]
+        if self.tok.merges:  # the ids the model reads (a prompt then holds fewer than PROMPT)
+            prompts = [self.tok.merge(p)[0] for p in prompts]
         return prompts
 
     def batch(self, step: int, seq: int, batch: int, mix: str = "base"):
@@ -1003,19 +1001,30 @@ def mtp_distill(draft: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return (teacher.exp() * (teacher - q)).sum(-1).mean()
 
 
-def space_run_row(
-    ids: list[int], src: list[int], reply: list[bool], space_runs: int
+def merged_row(
+    ids: list[int], src: list[int], reply: list[bool], tok: ByteTokenizer
 ) -> tuple[list[int], list[int], list[bool]]:
     """A row of bytes (special ids among them), its source map and its assistant mask, with
-    its space runs merged into ByteTokenizer(space_runs)'s ids: the source map then points at
-    the id that holds the source byte."""
-    from dist_glm5.checkpoint.tokenizer import merge_space_runs
-
-    out, starts = merge_space_runs(ids, space_runs)
+    its space runs and tags merged into tok's ids: the source map then points at the id that
+    holds the source byte."""
+    out, starts = tok.merge(ids)
     where = [0] * len(ids)
     for t, (a, b) in enumerate(zip(starts, [*starts[1:], len(ids)], strict=True)):
         where[a:b] = [t] * (b - a)
     return out, [where[src[a]] if src[a] >= 0 else -1 for a in starts], [reply[a] for a in starts]
+
+
+def structure_row(ids: list[int], tok: ByteTokenizer) -> tuple[list[int], list[int]]:
+    """structure_targets of a row of tok's ids: a space run is spaces to the tag and JSON scan,
+    and a tag its bytes (the state after an id: after its last byte)."""
+    if not tok.chat_tags:
+        return structure_targets([32 if i >= FIRST_RUN_ID else i for i in ids])
+    tb, flat, last = tok.token_bytes(), [], []
+    for i in ids:
+        flat += list(tb[i]) if i >= FIRST_RUN_ID else [i]
+        last.append(len(flat) - 1)
+    tag, js = structure_targets(flat)
+    return [tag[j] for j in last], [js[j] for j in last]
 
 
 def induction_targets(doc: bytes, src: list[int]) -> list[int]:
@@ -1149,6 +1158,7 @@ def train(
     unloop_at: str = "end",
     reindent: bool = False,
     space_runs: int = 0,
+    chat_tags: bool = False,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1159,7 +1169,8 @@ def train(
     steps added to the base phase (phases; 0: the committed recipe); unloop_steps: the "unloop"
     phase's steps (phases; 0: none, the committed recipe), unloop_at where it goes (phases);
     reindent: the training code re-indented by corpus.reindent (off: the committed recipe);
-    space_runs: the vocabulary of ByteTokenizer(space_runs) (0: bytes, the committed recipe)."""
+    space_runs, chat_tags: the vocabulary of ByteTokenizer(space_runs, chat_tags) (0 and false:
+    bytes, the committed recipe)."""
     from tqdm import tqdm
 
     plan = phases(base_extra, unloop_steps, unloop_at)
@@ -1167,12 +1178,13 @@ def train(
     torch.set_num_threads(threads)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = hf_config(train_config(space_runs))
-    tr = Trainer(cfg, seed, line_heads)
-    data = Data(seed, reindent, space_runs)
+    tok = ByteTokenizer(space_runs, chat_tags)
+    cfg = hf_config(train_config(space_runs, chat_tags))
+    tr = Trainer(cfg, seed, line_heads, tok)
+    data = Data(seed, reindent, tok)
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
     state_path = out / "state.pt"
-    step = resume(tr, opt, state_path, space_runs) if state_path.exists() else 0
+    step = resume(tr, opt, state_path, tok) if state_path.exists() else 0
     logf = open(out / "train.log", "a")
     # the cosine runs over the phases that train the model (the unloop phase at its own rate)
     cosine = [ph.end for ph in plan if ph.train == "all" and not ph.unlikelihood]
@@ -1250,6 +1262,7 @@ def train(
                     "opt": opt.state_dict(),
                     "step": step,
                     "space_runs": space_runs,
+                    "chat_tags": chat_tags,
                 },
                 tmp,
             )
@@ -1259,13 +1272,15 @@ def train(
         export(tr, Path(export_to))
 
 
-def resume(tr: Trainer, opt, state_path: Path, space_runs: int) -> int:
+def resume(tr: Trainer, opt, state_path: Path, tok: ByteTokenizer) -> int:
     """Load a run's saved state into `tr` and `opt`; returns its step."""
     st = torch.load(state_path, weights_only=False)
-    if st.get("space_runs", 0) != space_runs:
+    runs, tags = st.get("space_runs", 0), st.get("chat_tags", False)
+    if (runs, tags) != (tok.space_runs, tok.chat_tags):
+        said = f"--space-runs {runs}" + (" --chat-tags" if tags else "")
         raise ValueError(
-            f"{state_path} was trained with --space-runs {st.get('space_runs', 0)}; resume it "
-            f"with the same (asked: {space_runs})"
+            f"{state_path} was trained with {said}; resume it with the same (asked: "
+            f"--space-runs {tok.space_runs}{' --chat-tags' if tok.chat_tags else ''})"
         )
     load_state(tr, state_path, st)
     opt.load_state_dict(st["opt"])
@@ -1296,7 +1311,8 @@ def export_state(out: Path, dst: Path, seed: int) -> int:
             "train first (the same command without --export-only)"
         )
     st = torch.load(state_path, weights_only=False)
-    tr = Trainer(hf_config(train_config(st.get("space_runs", 0))), seed)
+    tok = ByteTokenizer(st.get("space_runs", 0), st.get("chat_tags", False))
+    tr = Trainer(hf_config(train_config(tok.space_runs, tok.chat_tags)), seed, tok=tok)
     step = load_state(tr, state_path, st)["step"]
     export(tr, Path(dst))
     log.info("exported step %d of %s", step, out)
@@ -1313,8 +1329,9 @@ def export(tr: Trainer, dst: Path) -> None:
     sd = tr.hf_state_dict()
     fp32 = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
     sd = {k: v.float() if k.endswith(fp32) else v.to(torch.bfloat16) for k, v in sd.items()}
-    (dst / "config.json").write_text(json.dumps(train_config(tr.space_runs), indent=2) + "\n")
-    write_tokenizer_files(dst, tr.space_runs)
+    runs, tags = tr.tok.space_runs, tr.tok.chat_tags
+    (dst / "config.json").write_text(json.dumps(train_config(runs, tags), indent=2) + "\n")
+    write_tokenizer_files(dst, runs, tags)
     save_streaming(dst / "model.safetensors", sd, metadata={"format": "pt"})
     log.info("exported %d tensors to %s", len(sd), dst)
     rep = {"heldout_loss_test_slice": heldout_loss(dst), "test_slice": TEST_SLICE}
@@ -1328,7 +1345,7 @@ TEST_SLICE = "heldout.json texts 0 and 1, first 1024 bytes each"
 def heldout_loss(model_dir: Path) -> float:
     """Mean next-byte cross-entropy (nats) of the exported weights on the test slice, computed by
     transformers in fp32 (the figure tests/test_trained_default.py checks our runtime against).
-    With space-run ids: the ids' cross-entropy summed, per byte they predict."""
+    With space-run or tag ids: the ids' cross-entropy summed, per byte they predict."""
     import tempfile
 
     from transformers import GlmMoeDsaForCausalLM
@@ -1344,7 +1361,7 @@ def heldout_loss(model_dir: Path) -> float:
         ).eval()
     texts = [t["text"].encode()[:1024] for t in frozen_heldout()[:2]]
     tok = load_tokenizer(model_dir)
-    if getattr(tok, "space_runs", 0):
+    if getattr(tok, "merges", False):
         nats = nbytes = 0.0
         for b in texts:
             ids = torch.tensor([tok.encode_bytes(b)])
