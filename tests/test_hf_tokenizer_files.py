@@ -233,24 +233,27 @@ def test_space_runs_are_one_id_each_longest_first():
     assert RUNS.token_bytes()[257 + 5] == b"     "
 
 
-@SETTINGS
-@given(st.lists(st.sampled_from([32, 32, 32, 10, 97, 256, 257]), max_size=80))
-def test_merging_ids_is_encoding_their_bytes(ids):
+def _merging_is_encoding(tok: ByteTokenizer, ids: list[int]) -> None:
     """merge (the trainer's, on ids with special ids among them) against the tokenizer's regex
     on bytes, piece by piece between the special ids; starts map back."""
-    got, starts = RUNS.merge(ids)
+    got, starts = tok.merge(ids)
     want, piece = [], []
     for i in [*ids, None]:
         if i is None or i >= 256:
-            want += RUNS.encode_bytes(bytes(piece)) + ([] if i is None else [i])
+            want += tok.encode_bytes(bytes(piece)) + ([] if i is None else [i])
             piece = []
         else:
             piece.append(i)
     assert got == want
-    assert [b for i in got for b in RUNS.token_bytes()[i]] == [
-        b for i in ids for b in RUNS.token_bytes()[i]
-    ]
-    assert all(ids[s] == (32 if g > 258 else g) for g, s in zip(got, starts, strict=True))
+    tb = tok.token_bytes()
+    assert [b for i in got for b in tb[i]] == [b for i in ids for b in tb[i]]
+    assert all(ids[s] == (g if g in (256, 257) else tb[g][0]) for g, s in zip(got, starts))
+
+
+@SETTINGS
+@given(st.lists(st.sampled_from([32, 32, 32, 10, 97, 256, 257]), max_size=80))
+def test_merging_ids_is_encoding_their_bytes(ids):
+    _merging_is_encoding(RUNS, ids)
 
 
 def test_space_runs_directory_is_transformers_tokenizer_exactly(hf_runs):
@@ -302,26 +305,14 @@ def test_chat_tags_are_one_id_each_after_the_runs():
     ]
 
 
+PIECES = [[i] for i in b"<>/|_ ak"] + [[256], [257], [32, 32, 32]]
+PIECES += [list(t) for t in (b"<arg_key>", b"</arg_value>", b"<|user|>", b"</arg_value")]
+
+
 @SETTINGS
-@given(
-    st.lists(
-        st.sampled_from([*b"<>/|_ ak", *b"<arg_key>", *b"</arg_value>", *b"<|user|>", 256, 257]),
-        max_size=80,
-    )
-)
+@given(st.lists(st.sampled_from(PIECES), max_size=30).map(lambda ps: [i for p in ps for i in p]))
 def test_merging_ids_with_tags_is_encoding_their_bytes(ids):
-    got, starts = TAGGED.merge(ids)
-    want, piece = [], []
-    for i in [*ids, None]:
-        if i is None or i >= 256:
-            want += TAGGED.encode_bytes(bytes(piece)) + ([] if i is None else [i])
-            piece = []
-        else:
-            piece.append(i)
-    assert got == want
-    tb = TAGGED.token_bytes()
-    assert [b for i in got for b in tb[i]] == [b for i in ids for b in tb[i]]
-    assert all(ids[s] == tb[g][0] for g, s in zip(got, starts, strict=True) if g not in (256, 257))
+    _merging_is_encoding(TAGGED, ids)
 
 
 def test_chat_tags_directory_is_transformers_tokenizer_exactly(hf_tags):
