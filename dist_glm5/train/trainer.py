@@ -496,14 +496,13 @@ class Trainer:
             layers[i].self_attn.register_forward_hook(self._keep_head(i))
             layers[i].self_attn.o_proj.register_forward_hook(self._keep_value(i))
         # training-only linear read-outs of the offset heads (not exported): each head's output
-        # must name the byte it reads, so the induction head has keys to match (with space-run
-        # ids, the runs too)
-        # ByteTokenizer(space_runs)'s vocabulary: runs of 2..R spaces are its last R - 1 ids
+        # must name the byte it reads, so the induction head has keys to match (with run and tag
+        # ids, those too)
+        # without tok: bytes, or ByteTokenizer(R), whose runs of 2..R spaces are its last R - 1 ids
         v = cfg.vocab_size
         self.tok = tok or ByteTokenizer(v - FIRST_RUN_ID + 1 if v > FIRST_RUN_ID else 0)
         if self.tok.vocab_size != v:
             raise ValueError(f"vocab_size {v}, but the tokenizer has {self.tok.vocab_size} ids")
-        self.space_runs = self.tok.space_runs
         self.n_read = cfg.vocab_size if self.tok.merges else 256
         self.readout = torch.nn.Linear(cfg.v_head_dim, self.n_read * len(OFFSETS))
         n_col = COLUMN_WINDOW + 1
@@ -590,7 +589,7 @@ class Trainer:
             byte = byte.masked_fill((byte > 255) & (byte < FIRST_RUN_ID), -100)
             readout = readout + F.cross_entropy(lo.reshape(-1, n), byte)
         out = {"offset": offset / len(OFFSETS), "readout": readout / len(OFFSETS)}
-        if self.space_runs:  # an indentation is one id: nothing to count (no column losses)
+        if self.tok.space_runs:  # an indentation is one id: nothing to count (no column losses)
             out.update(dict.fromkeys(("window", "run", "indent"), w.sum() * 0.0))
         else:
             out.update(self._column_losses(ids, w[:, COLUMN_HEAD]))
@@ -969,7 +968,7 @@ class Data:
         return self._row(list(doc), src, [False] * len(doc), n)
 
     def _row(self, ids: list[int], src: list[int], reply: list[bool], n: int):
-        """A row of n ids (space runs merged, padded with newlines or cut) and its targets."""
+        """A row of n ids (runs and tags merged, padded with newlines or cut) and its targets."""
         if self.tok.merges:
             ids, src, reply = merged_row(ids, src, reply, self.tok)
         pad = max(0, n - len(ids))
