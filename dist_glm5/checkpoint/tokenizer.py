@@ -63,9 +63,9 @@ class ByteTokenizer:
         self.bos_id, self.eos_id, self.pad_id = 256, 257, 258
         self.space_runs, self.chat_tags = space_runs, chat_tags
         self.first_tag_id = FIRST_RUN_ID + max(0, space_runs - 1)
-        tags = CHAT_TAGS if chat_tags else ()
-        self.vocab_size = self.first_tag_id + len(tags)
-        self._tag_ids = {t.encode(): self.first_tag_id + i for i, t in enumerate(tags)}
+        self.tags = CHAT_TAGS if chat_tags else ()
+        self.vocab_size = self.first_tag_id + len(self.tags)
+        self._tag_ids = {t.encode(): self.first_tag_id + i for i, t in enumerate(self.tags)}
         pieces = [re.escape(t) for t in self._tag_ids]
         if space_runs:
             pieces.append(rb" {2,%d}" % space_runs)
@@ -201,9 +201,8 @@ def hf_tokenizer_json(space_runs: int = 0, chat_tags: bool = False) -> str:
         # tag's characters are printable ASCII: byte-level keeps them as they are)
         vocab.update({t: i for i, t in bt.SPECIAL.items()})
         vocab.update({uni[32] * k: bt.run_id(k) for k in range(2, space_runs + 1)})
-        tags = CHAT_TAGS if chat_tags else ()
-        vocab.update({t: bt.tag_id(t) for t in tags})
-        pieces = [re.escape(t) for t in tags]
+        vocab.update({t: bt.tag_id(t) for t in bt.tags})
+        pieces = [re.escape(t) for t in bt.tags]
         if space_runs:
             pieces.append(f"{uni[32]}{{2,{space_runs}}}")
         tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=specials[-1]))

@@ -305,9 +305,9 @@ MIXES = {
 
 
 # ---- the model -------------------------------------------------------------------------------
-def train_config(space_runs: int = 0, chat_tags: bool = False) -> dict:
-    """TRAIN_CONFIG, its vocabulary that of ByteTokenizer(space_runs, chat_tags)."""
-    return dict(TRAIN_CONFIG, vocab_size=ByteTokenizer(space_runs, chat_tags).vocab_size)
+def train_config(tok: ByteTokenizer) -> dict:
+    """TRAIN_CONFIG, its vocabulary tok's."""
+    return dict(TRAIN_CONFIG, vocab_size=tok.vocab_size)
 
 
 def hf_config(raw: dict | None = None):
@@ -466,8 +466,7 @@ def _indexer_forward(
 
 class Trainer:
     def __init__(self, cfg, seed: int, line_heads: bool = False, tok: ByteTokenizer | None = None):
-        """tok: the vocabulary's tokenizer (default: bytes, or space runs by the vocabulary's
-        size)."""
+        """tok: the vocabulary's tokenizer (default: bytes)."""
         from transformers import GlmMoeDsaForCausalLM
 
         torch.manual_seed(seed)
@@ -498,11 +497,12 @@ class Trainer:
         # training-only linear read-outs of the offset heads (not exported): each head's output
         # must name the byte it reads, so the induction head has keys to match (with run and tag
         # ids, those too)
-        # without tok: bytes, or ByteTokenizer(R), whose runs of 2..R spaces are its last R - 1 ids
-        v = cfg.vocab_size
-        self.tok = tok or ByteTokenizer(v - FIRST_RUN_ID + 1 if v > FIRST_RUN_ID else 0)
-        if self.tok.vocab_size != v:
-            raise ValueError(f"vocab_size {v}, but the tokenizer has {self.tok.vocab_size} ids")
+        self.tok = tok or ByteTokenizer()
+        if self.tok.vocab_size != cfg.vocab_size:
+            raise ValueError(
+                f"vocab_size {cfg.vocab_size}, but the tokenizer has {self.tok.vocab_size} ids: "
+                "pass the run's tokenizer (tok=ByteTokenizer(space_runs, chat_tags))"
+            )
         self.n_read = cfg.vocab_size if self.tok.merges else 256
         self.readout = torch.nn.Linear(cfg.v_head_dim, self.n_read * len(OFFSETS))
         n_col = COLUMN_WINDOW + 1
@@ -1014,10 +1014,8 @@ def merged_row(
 
 
 def structure_row(ids: list[int], tok: ByteTokenizer) -> tuple[list[int], list[int]]:
-    """structure_targets of a row of tok's ids: a space run is spaces to the tag and JSON scan,
-    and a tag its bytes (the state after an id: after its last byte)."""
-    if not tok.chat_tags:
-        return structure_targets([32 if i >= FIRST_RUN_ID else i for i in ids])
+    """structure_targets of a row of tok's ids, scanned as the bytes they hold (a run its
+    spaces, a tag its text): the state after an id is the state after its last byte."""
     tb, flat, last = tok.token_bytes(), [], []
     for i in ids:
         flat += list(tb[i]) if i >= FIRST_RUN_ID else [i]
@@ -1178,7 +1176,7 @@ def train(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = ByteTokenizer(space_runs, chat_tags)
-    cfg = hf_config(train_config(space_runs, chat_tags))
+    cfg = hf_config(train_config(tok))
     tr = Trainer(cfg, seed, line_heads, tok)
     data = Data(seed, reindent, tok)
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
@@ -1274,17 +1272,26 @@ def train(
 def resume(tr: Trainer, opt, state_path: Path, tok: ByteTokenizer) -> int:
     """Load a run's saved state into `tr` and `opt`; returns its step."""
     st = torch.load(state_path, weights_only=False)
-    runs, tags = st.get("space_runs", 0), st.get("chat_tags", False)
-    if (runs, tags) != (tok.space_runs, tok.chat_tags):
-        said = f"--space-runs {runs}" + (" --chat-tags" if tags else "")
+    saved = state_tokenizer(st)
+    if (saved.space_runs, saved.chat_tags) != (tok.space_runs, tok.chat_tags):
         raise ValueError(
-            f"{state_path} was trained with {said}; resume it with the same (asked: "
-            f"--space-runs {tok.space_runs}{' --chat-tags' if tok.chat_tags else ''})"
+            f"{state_path} was trained with {_flags(saved)}; resume it with the same (asked: "
+            f"{_flags(tok)})"
         )
     load_state(tr, state_path, st)
     opt.load_state_dict(st["opt"])
     log.info("resumed at step %d", st["step"])
     return st["step"]
+
+
+def state_tokenizer(st: dict) -> ByteTokenizer:
+    """The tokenizer a saved state was trained with (states before the flags: bytes)."""
+    return ByteTokenizer(st.get("space_runs", 0), st.get("chat_tags", False))
+
+
+def _flags(tok: ByteTokenizer) -> str:
+    """train-default's flags for tok's vocabulary."""
+    return f"--space-runs {tok.space_runs}" + (" --chat-tags" if tok.chat_tags else "")
 
 
 def load_state(tr: Trainer, state_path: Path, st: dict | None = None) -> dict:
@@ -1310,8 +1317,8 @@ def export_state(out: Path, dst: Path, seed: int) -> int:
             "train first (the same command without --export-only)"
         )
     st = torch.load(state_path, weights_only=False)
-    tok = ByteTokenizer(st.get("space_runs", 0), st.get("chat_tags", False))
-    tr = Trainer(hf_config(train_config(tok.space_runs, tok.chat_tags)), seed, tok=tok)
+    tok = state_tokenizer(st)
+    tr = Trainer(hf_config(train_config(tok)), seed, tok=tok)
     step = load_state(tr, state_path, st)["step"]
     export(tr, Path(dst))
     log.info("exported step %d of %s", step, out)
@@ -1328,9 +1335,8 @@ def export(tr: Trainer, dst: Path) -> None:
     sd = tr.hf_state_dict()
     fp32 = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
     sd = {k: v.float() if k.endswith(fp32) else v.to(torch.bfloat16) for k, v in sd.items()}
-    runs, tags = tr.tok.space_runs, tr.tok.chat_tags
-    (dst / "config.json").write_text(json.dumps(train_config(runs, tags), indent=2) + "\n")
-    write_tokenizer_files(dst, runs, tags)
+    (dst / "config.json").write_text(json.dumps(train_config(tr.tok), indent=2) + "\n")
+    write_tokenizer_files(dst, tr.tok.space_runs, tr.tok.chat_tags)
     save_streaming(dst / "model.safetensors", sd, metadata={"format": "pt"})
     log.info("exported %d tensors to %s", len(sd), dst)
     rep = {"heldout_loss_test_slice": heldout_loss(dst), "test_slice": TEST_SLICE}
