@@ -356,11 +356,12 @@ def summary(res: dict) -> str:
         line("json_schema", f"{js['validated']}/{js['of']} validate", "9/10")
     if "needles" in res:
         n = res["needles"]
-        found = [
-            f"{length}: {n[f'{length}_code_sparse_2stages']['found']}/3"
-            for length in sorted({int(k.split("_")[0]) for k in n if k[0].isdigit()})
-            if f"{length}_code_sparse_2stages" in n
-        ]
+        found = []
+        for length in sorted({int(k.split("_")[0]) for k in n if k[0].isdigit()}):
+            r = n.get(f"{length}_code_sparse_2stages")
+            if r:  # misses that are another needle's value: the key matched to the wrong one
+                swapped = f" ({r['other_needle']} swapped)" if r.get("other_needle") else ""
+                found.append(f"{length}: {r['found']}/3{swapped}")
         line("needles", ", ".join(found), "5/6 at gates")
     if "mtp" in res:
         m = res["mtp"]

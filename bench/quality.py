@@ -268,6 +268,14 @@ def needle_prompts(length: int, filler_kind: str, seed: int):
     return [body + b"\n" + nd.query for nd in needles], [nd.value for nd in needles]
 
 
+def other_needle(got: list[str], answers: list[str]) -> int:
+    """Misses that begin as another needle's value does (its first 3 characters): the key was
+    matched to the wrong needle, not copied wrong."""
+    return sum(
+        g != a and any(g[:3] == b[:3] for b in answers if b != a) for g, a in zip(got, answers)
+    )
+
+
 def ask(coord, prompts, answers, enc: Ids) -> dict:
     from dist_glm5.sampling.params import SamplingParams
 
@@ -280,6 +288,7 @@ def ask(coord, prompts, answers, enc: Ids) -> dict:
         "of": len(answers),
         "answers": answers,
         "got": got,
+        "other_needle": other_needle(got, answers),
         "seconds": round(time.perf_counter() - t0, 1),
     }
 

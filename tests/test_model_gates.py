@@ -53,3 +53,13 @@ def test_heldout_prompts_take_every_texts_opening_then_later_windows():
     assert got[3:6] == [list(t[1024:1408]) for t in texts] and got[6] == list(texts[0][2048:2432])
     with pytest.raises(ValueError, match="10 prompts of 384 bytes asked; the texts hold 9"):
         heldout_prompts(texts, 10)
+
+
+def test_other_needle_counts_misses_that_begin_as_another_needles_value():
+    from dist_glm5.bench.quality import other_needle
+
+    answers = ["nifxrt", "dutu9e", "a284fv"]
+    # w2u's 4K code answers (session 21): the first needle given the second's value
+    assert other_needle(["dutu9e", "dutu9e", "a284fv"], answers) == 1
+    assert other_needle(["nifxr]", "dutu9e", "a2"], answers) == 0  # copied wrong, not swapped
+    assert other_needle(answers, answers) == 0
