@@ -76,7 +76,19 @@ def test_mxfp4_model_greedy_tokens_kernel_equal_reference(mx_dir, dtype):
     ref = load_model(mx_dir, dtype=dtype, ops=ref_ops)
     assert fast.ops.experts.name == "cpu-kernel" and ref.ops.experts.name == "reference"
     want = [g.token_ids for g in generate(ref, PROMPTS, GREEDY)]
-    assert [g.token_ids for g in generate(fast, PROMPTS, GREEDY)] == want
+    got = [g.token_ids for g in generate(fast, PROMPTS, GREEDY)]
+    if dtype == torch.float32:
+        assert got == want
+    else:
+        # in bf16 a discrete near-tie (a router's or the indexer's top-k moved by the last bit of
+        # a value, from the order of additions) can part the two decodes: seen on an Intel AMX
+        # CPU, where the reference's decode gave 198 and its own prefill 71 by 0.28. Where they
+        # part, the fast token must be the reference model's choice on that prefix by prefill.
+        parted = [(p, g, w) for p, g, w in zip(PROMPTS, got, want) if g != w]
+        assert len(parted) <= 1, parted
+        for p, g, w in parted:
+            i = next(i for i, (x, y) in enumerate(zip(g, w)) if x != y)
+            assert int(full_logits(ref, list(p) + w[:i])[-1].argmax()) == g[i], (i, g, w)
     routes_fast.clear(), routes_ref.clear()
     a, b = full_logits(fast, PROMPTS[2]), full_logits(ref, PROMPTS[2])
     # a row the router sent elsewhere in some layer (a near-tie of its top-k moved by the last
