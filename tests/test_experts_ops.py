@@ -82,8 +82,9 @@ def test_mxfp4_model_greedy_tokens_kernel_equal_reference(mx_dir, dtype):
     else:
         # in bf16 a discrete near-tie (a router's or the indexer's top-k moved by the last bit of
         # a value, from the order of additions) can part the two decodes: seen on an Intel AMX
-        # CPU, where the reference's decode gave 198 and its own prefill 71 by 0.28. Where they
-        # part, the fast token must be the reference model's choice on that prefix by prefill.
+        # CPU, where the reference's decode gave 198 and its own prefill 71 by 0.28 (the routes
+        # first differ in the step the tokens part). Where they part, the fast token must be the
+        # reference model's choice on that prefix by prefill.
         parted = [(p, g, w) for p, g, w in zip(PROMPTS, got, want) if g != w]
         assert len(parted) <= 1, parted
         for p, g, w in parted:
