@@ -87,6 +87,15 @@ def register(p: argparse.ArgumentParser) -> None:
         "committed recipe)",
     )
     p.add_argument(
+        "--offset-heads",
+        type=int,
+        choices=(3, 4),
+        default=3,
+        help="how many heads of layer 0 are told to read the ids 1, 2, 3(, 4) back: with 4 the "
+        "induction head matches 4 ids, so needles whose keys end alike are told apart (4 takes "
+        "the column head: --space-runs only; 3: the committed recipe)",
+    )
+    p.add_argument(
         "--export-only",
         action="store_true",
         help="export the run's last saved step to --export and stop (gate a run as it goes)",
@@ -120,5 +129,6 @@ def run(args: argparse.Namespace) -> int:
         reindent=args.reindent,
         space_runs=args.space_runs,
         chat_tags=args.chat_tags,
+        offset_heads=args.offset_heads,
     )
     return 0

@@ -630,3 +630,33 @@ def test_a_chat_tags_run_exports_its_tokenizer_and_resumes_only_as_itself(tmp_pa
     assert td.export_state(tmp_path / "run", tmp_path / "again", seed=3) == 1
     with pytest.raises(ValueError, match="--chat-tags"):
         td.train(tmp_path / "run", steps=2, seed=3, space_runs=16)
+
+
+# ---- a fourth offset head (--offset-heads 4) ---------------------------------------------------
+def test_four_offset_heads_read_one_to_four_back_and_need_space_runs():
+    """The offset loss is -log of head h's weight on the id h + 1 back, averaged (a written-out
+    gather), head 3 (the column head otherwise) included; without space runs it is refused."""
+    runs = ByteTokenizer(16)
+    cfg = td.hf_config(dict(TINY, vocab_size=runs.vocab_size))
+    tr = td.Trainer(cfg, seed=0, tok=runs, offsets=td.OFFSETS_FAR)
+    ids = torch.tensor([runs.encode("def f(x):\n        return x  # one\n" * 2)])
+    tr.losses(ids)
+    sup = tr.attention_supervision(ids, torch.full_like(ids, -1))
+    w, S = tr.heads[td.OFFSET_LAYER][0], ids.shape[1]  # [H, S, S]
+    per_head = [
+        torch.stack([-torch.log(w[h, t, t - h - 1]) for t in range(h + 1, S)]).mean()
+        for h in range(4)
+    ]
+    assert torch.allclose(sup["offset"], torch.stack(per_head).mean())
+    assert tr.readout.out_features == 4 * runs.vocab_size
+    sup["offset"].backward()
+    assert tr.model.model.layers[0].self_attn.q_b_proj.weight.grad.any()
+    with pytest.raises(ValueError, match="--space-runs"):
+        td.Trainer(td.hf_config(TINY), seed=0, offsets=td.OFFSETS_FAR)
+
+
+def test_a_four_offset_run_exports_and_resumes_only_as_itself(tmp_path):
+    td.train(tmp_path / "run", steps=1, seed=3, space_runs=16, offset_heads=4)
+    assert td.export_state(tmp_path / "run", tmp_path / "exp", seed=3) == 1
+    with pytest.raises(ValueError, match="--offset-heads 4"):
+        td.train(tmp_path / "run", steps=2, seed=3, space_runs=16)

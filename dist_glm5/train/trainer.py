@@ -153,6 +153,12 @@ LINE_LOSSES = ("line_indent", "line_end")  # attention_supervision's with line h
 # OFFSETS[h] back; head 0 of INDUCTION_LAYER reads the byte after the earlier occurrence of the
 # current context. INDUCTION_LAYER has a full indexer (its selection must find that byte).
 OFFSET_LAYER, OFFSETS, INDUCTION_LAYER = 0, (1, 2, 3), 2
+# With 3 offset heads the induction head matches 3 ids (its key sees the 3 before it, its query
+# the current id and 2 before): needles whose keys end in the same digit (`[key 2291: ` and
+# `[key 6141: ` both end `1: `) look alike: teacher-forced, p1e's head 0 puts 0.71 and 0.72 of
+# its weight on 6141's value for either key. A 4th offset head (4 back: OFFSETS_FAR) makes it 4 ids.
+# It takes the column head, so it goes with space runs only (no column losses there).
+OFFSETS_FAR = (1, 2, 3, 4)
 # Position-free copying: head 0 of INDUCTION_LAYER and the first half of its indexer's heads
 # have no rotary query (their q_b_proj / wq_b rows for the rope dims are held at zero),
 # so they match on content alone and score a key 16K back as they score one 100 back. Copying is
@@ -465,8 +471,16 @@ def _indexer_forward(
 
 
 class Trainer:
-    def __init__(self, cfg, seed: int, line_heads: bool = False, tok: ByteTokenizer | None = None):
-        """tok: the vocabulary's tokenizer (default: bytes)."""
+    def __init__(
+        self,
+        cfg,
+        seed: int,
+        line_heads: bool = False,
+        tok: ByteTokenizer | None = None,
+        offsets: tuple[int, ...] = OFFSETS,
+    ):
+        """tok: the vocabulary's tokenizer (default: bytes); offsets: how far back heads 0.. of
+        OFFSET_LAYER read (OFFSETS, or OFFSETS_FAR with space runs)."""
         from transformers import GlmMoeDsaForCausalLM
 
         torch.manual_seed(seed)
@@ -503,8 +517,14 @@ class Trainer:
                 f"vocab_size {cfg.vocab_size}, but the tokenizer has {self.tok.vocab_size} ids: "
                 "pass the run's tokenizer (tok=ByteTokenizer(space_runs, chat_tags))"
             )
+        if len(offsets) > COLUMN_HEAD and not self.tok.space_runs:
+            raise ValueError(
+                f"offsets {offsets} take head {COLUMN_HEAD} of layer {OFFSET_LAYER}, the column "
+                "head: only with space runs (--space-runs N), which turn the column losses off"
+            )
+        self.offsets = tuple(offsets)
         self.n_read = cfg.vocab_size if self.tok.merges else 256
-        self.readout = torch.nn.Linear(cfg.v_head_dim, self.n_read * len(OFFSETS))
+        self.readout = torch.nn.Linear(cfg.v_head_dim, self.n_read * len(self.offsets))
         n_col = COLUMN_WINDOW + 1
         self.columns = torch.nn.ModuleDict(
             {
@@ -577,7 +597,7 @@ class Trainer:
         B, S = ids.shape
         v = self.values[OFFSET_LAYER].view(B, S, -1, self.cfg.v_head_dim)
         offset = readout = 0.0
-        for h, k in enumerate(OFFSETS):
+        for h, k in enumerate(self.offsets):
             keys = torch.arange(S - k).view(1, -1, 1).expand(B, -1, 1)
             near = self._near(k)  # [B, S - k]
             lw = torch.log(w[:, h, k:].gather(-1, keys).clamp_min(1e-6)).squeeze(-1)
@@ -588,7 +608,8 @@ class Trainer:
             byte = ids[:, :-k].masked_fill(~near, -100).reshape(-1)
             byte = byte.masked_fill((byte > 255) & (byte < FIRST_RUN_ID), -100)
             readout = readout + F.cross_entropy(lo.reshape(-1, n), byte)
-        out = {"offset": offset / len(OFFSETS), "readout": readout / len(OFFSETS)}
+        n_off = len(self.offsets)
+        out = {"offset": offset / n_off, "readout": readout / n_off}
         if self.tok.space_runs:  # an indentation is one id: nothing to count (no column losses)
             out.update(dict.fromkeys(("window", "run", "indent"), w.sum() * 0.0))
         else:
@@ -697,11 +718,11 @@ class Trainer:
         for i in self.indexers:
             rows, scores, _ = self._layer(i).self_attn.indexer.last  # [B, R], [B, R, S]
             logp = torch.log_softmax(scores, dim=-1)
-            for k in OFFSETS:
+            for k in self.offsets:
                 back = (rows - k).clamp_min(0)
                 ok = (rows >= k) & (self.pos.gather(1, rows) - self.pos.gather(1, back) == k)
                 lp = logp.gather(-1, back[..., None]).squeeze(-1)
-                total = total - lp[ok].mean() / len(OFFSETS)
+                total = total - lp[ok].mean() / len(self.offsets)
         return total / len(self.indexers)
 
     def _index_induction(self, want: torch.Tensor, induction: torch.Tensor) -> torch.Tensor:
@@ -1156,6 +1177,7 @@ def train(
     reindent: bool = False,
     space_runs: int = 0,
     chat_tags: bool = False,
+    offset_heads: int = len(OFFSETS),
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1167,7 +1189,8 @@ def train(
     phase's steps (phases; 0: none, the committed recipe), unloop_at where it goes (phases);
     reindent: the training code re-indented by corpus.reindent (off: the committed recipe);
     space_runs, chat_tags: the vocabulary of ByteTokenizer(space_runs, chat_tags) (0 and false:
-    bytes, the committed recipe)."""
+    bytes, the committed recipe); offset_heads: 4 for OFFSETS_FAR (space runs only; 3: OFFSETS,
+    the committed recipe)."""
     from tqdm import tqdm
 
     plan = phases(base_extra, unloop_steps, unloop_at)
@@ -1177,7 +1200,8 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     tok = ByteTokenizer(space_runs, chat_tags)
     cfg = hf_config(train_config(tok))
-    tr = Trainer(cfg, seed, line_heads, tok)
+    offsets = {len(OFFSETS): OFFSETS, len(OFFSETS_FAR): OFFSETS_FAR}[offset_heads]
+    tr = Trainer(cfg, seed, line_heads, tok, offsets)
     data = Data(seed, reindent, tok)
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
     state_path = out / "state.pt"
@@ -1260,6 +1284,7 @@ def train(
                     "step": step,
                     "space_runs": space_runs,
                     "chat_tags": chat_tags,
+                    "offsets": offsets,
                 },
                 tmp,
             )
@@ -1278,6 +1303,12 @@ def resume(tr: Trainer, opt, state_path: Path, tok: ByteTokenizer) -> int:
             f"{state_path} was trained with {_flags(saved)}; resume it with the same (asked: "
             f"{_flags(tok)})"
         )
+    saved_offsets = state_offsets(st)
+    if saved_offsets != tr.offsets:
+        raise ValueError(
+            f"{state_path} was trained with --offset-heads {len(saved_offsets)}; resume it with "
+            f"the same (asked: --offset-heads {len(tr.offsets)})"
+        )
     load_state(tr, state_path, st)
     opt.load_state_dict(st["opt"])
     log.info("resumed at step %d", st["step"])
@@ -1287,6 +1318,11 @@ def resume(tr: Trainer, opt, state_path: Path, tok: ByteTokenizer) -> int:
 def state_tokenizer(st: dict) -> ByteTokenizer:
     """The tokenizer a saved state was trained with (states before the flags: bytes)."""
     return ByteTokenizer(st.get("space_runs", 0), st.get("chat_tags", False))
+
+
+def state_offsets(st: dict) -> tuple[int, ...]:
+    """The offset heads' distances a saved state was trained with (states before: OFFSETS)."""
+    return tuple(st.get("offsets", OFFSETS))
 
 
 def _flags(tok: ByteTokenizer) -> str:
@@ -1318,7 +1354,7 @@ def export_state(out: Path, dst: Path, seed: int) -> int:
         )
     st = torch.load(state_path, weights_only=False)
     tok = state_tokenizer(st)
-    tr = Trainer(hf_config(train_config(tok)), seed, tok=tok)
+    tr = Trainer(hf_config(train_config(tok)), seed, tok=tok, offsets=state_offsets(st))
     step = load_state(tr, state_path, st)["step"]
     export(tr, Path(dst))
     log.info("exported step %d of %s", step, out)
