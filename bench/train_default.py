@@ -96,6 +96,13 @@ def register(p: argparse.ArgumentParser) -> None:
         "the column head: --space-runs only; 3: the committed recipe)",
     )
     p.add_argument(
+        "--kv-lora-rank",
+        type=int,
+        default=64,
+        help="width of MLA's compressed KV, which holds a key's match and the id it copies (64: "
+        "the committed recipe)",
+    )
+    p.add_argument(
         "--export-only",
         action="store_true",
         help="export the run's last saved step to --export and stop (gate a run as it goes)",
@@ -130,5 +137,6 @@ def run(args: argparse.Namespace) -> int:
         space_runs=args.space_runs,
         chat_tags=args.chat_tags,
         offset_heads=args.offset_heads,
+        kv_lora_rank=args.kv_lora_rank,
     )
     return 0

@@ -660,3 +660,19 @@ def test_a_four_offset_run_exports_and_resumes_only_as_itself(tmp_path):
     assert td.export_state(tmp_path / "run", tmp_path / "exp", seed=3) == 1
     with pytest.raises(ValueError, match="--offset-heads 4"):
         td.train(tmp_path / "run", steps=2, seed=3, space_runs=16)
+
+
+# ---- a wider MLA latent (--kv-lora-rank) --------------------------------------------------------
+def test_a_wider_latent_exports_its_width_and_resumes_only_as_itself(tmp_path):
+    """The exported config.json carries the width the weights have (transformers loads them by
+    it), and a run resumes only with the width it was trained with."""
+    td.train(tmp_path / "run", steps=1, seed=3, space_runs=16, kv_lora_rank=96)
+    assert td.export_state(tmp_path / "run", tmp_path / "exp", seed=3) == 1
+    raw = json.loads((tmp_path / "exp" / "config.json").read_text())
+    assert raw["kv_lora_rank"] == 96
+    from safetensors.torch import load_file
+
+    sd = load_file(tmp_path / "exp" / "model.safetensors")
+    assert sd["model.layers.0.self_attn.kv_a_layernorm.weight"].shape == (96,)
+    with pytest.raises(ValueError, match="--kv-lora-rank 96"):
+        td.train(tmp_path / "run", steps=2, seed=3, space_runs=16)

@@ -311,9 +311,9 @@ MIXES = {
 
 
 # ---- the model -------------------------------------------------------------------------------
-def train_config(tok: ByteTokenizer) -> dict:
-    """TRAIN_CONFIG, its vocabulary tok's."""
-    return dict(TRAIN_CONFIG, vocab_size=tok.vocab_size)
+def train_config(tok: ByteTokenizer, kv_lora_rank: int = TRAIN_CONFIG["kv_lora_rank"]) -> dict:
+    """TRAIN_CONFIG, its vocabulary tok's and its MLA latent kv_lora_rank wide."""
+    return dict(TRAIN_CONFIG, vocab_size=tok.vocab_size, kv_lora_rank=kv_lora_rank)
 
 
 def hf_config(raw: dict | None = None):
@@ -1178,6 +1178,7 @@ def train(
     space_runs: int = 0,
     chat_tags: bool = False,
     offset_heads: int = len(OFFSETS),
+    kv_lora_rank: int = TRAIN_CONFIG["kv_lora_rank"],
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1190,7 +1191,8 @@ def train(
     reindent: the training code re-indented by corpus.reindent (off: the committed recipe);
     space_runs, chat_tags: the vocabulary of ByteTokenizer(space_runs, chat_tags) (0 and false:
     bytes, the committed recipe); offset_heads: 4 for OFFSETS_FAR (space runs only; 3: OFFSETS,
-    the committed recipe)."""
+    the committed recipe); kv_lora_rank: the width of MLA's compressed KV (64: the committed
+    recipe)."""
     from tqdm import tqdm
 
     plan = phases(base_extra, unloop_steps, unloop_at)
@@ -1199,7 +1201,7 @@ def train(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = ByteTokenizer(space_runs, chat_tags)
-    cfg = hf_config(train_config(tok))
+    cfg = hf_config(train_config(tok, kv_lora_rank))
     offsets = {len(OFFSETS): OFFSETS, len(OFFSETS_FAR): OFFSETS_FAR}[offset_heads]
     tr = Trainer(cfg, seed, line_heads, tok, offsets)
     data = Data(seed, reindent, tok)
@@ -1285,6 +1287,7 @@ def train(
                     "space_runs": space_runs,
                     "chat_tags": chat_tags,
                     "offsets": offsets,
+                    "kv_lora_rank": kv_lora_rank,
                 },
                 tmp,
             )
@@ -1309,6 +1312,12 @@ def resume(tr: Trainer, opt, state_path: Path, tok: ByteTokenizer) -> int:
             f"{state_path} was trained with --offset-heads {len(saved_offsets)}; resume it with "
             f"the same (asked: --offset-heads {len(tr.offsets)})"
         )
+    saved_rank, rank = state_kv_lora_rank(st), tr.model.config.kv_lora_rank
+    if saved_rank != rank:
+        raise ValueError(
+            f"{state_path} was trained with --kv-lora-rank {saved_rank}; resume it with the same "
+            f"(asked: --kv-lora-rank {rank})"
+        )
     load_state(tr, state_path, st)
     opt.load_state_dict(st["opt"])
     log.info("resumed at step %d", st["step"])
@@ -1323,6 +1332,11 @@ def state_tokenizer(st: dict) -> ByteTokenizer:
 def state_offsets(st: dict) -> tuple[int, ...]:
     """The offset heads' distances a saved state was trained with (states before: OFFSETS)."""
     return tuple(st.get("offsets", OFFSETS))
+
+
+def state_kv_lora_rank(st: dict) -> int:
+    """The MLA latent width a saved state was trained with (before the flag: the config's)."""
+    return st.get("kv_lora_rank", TRAIN_CONFIG["kv_lora_rank"])
 
 
 def _flags(tok: ByteTokenizer) -> str:
@@ -1354,7 +1368,8 @@ def export_state(out: Path, dst: Path, seed: int) -> int:
         )
     st = torch.load(state_path, weights_only=False)
     tok = state_tokenizer(st)
-    tr = Trainer(hf_config(train_config(tok)), seed, tok=tok, offsets=state_offsets(st))
+    cfg = hf_config(train_config(tok, state_kv_lora_rank(st)))
+    tr = Trainer(cfg, seed, tok=tok, offsets=state_offsets(st))
     step = load_state(tr, state_path, st)["step"]
     export(tr, Path(dst))
     log.info("exported step %d of %s", step, out)
@@ -1371,7 +1386,8 @@ def export(tr: Trainer, dst: Path) -> None:
     sd = tr.hf_state_dict()
     fp32 = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
     sd = {k: v.float() if k.endswith(fp32) else v.to(torch.bfloat16) for k, v in sd.items()}
-    (dst / "config.json").write_text(json.dumps(train_config(tr.tok), indent=2) + "\n")
+    raw = train_config(tr.tok, tr.model.config.kv_lora_rank)
+    (dst / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     write_tokenizer_files(dst, tr.tok.space_runs, tr.tok.chat_tags)
     save_streaming(dst / "model.safetensors", sd, metadata={"format": "pt"})
     log.info("exported %d tensors to %s", len(sd), dst)
