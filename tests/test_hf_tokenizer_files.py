@@ -23,12 +23,15 @@ except Exception as e:  # not a skip: a missing transformers must not turn this 
 from dist_glm5.checkpoint.default_model import TRAINED_DIR, ensure_random_model
 from dist_glm5.checkpoint.tokenizer import (
     BYTE_TOKENIZER,
+    CHAT_TAGS,
     ByteTokenizer,
     load_tokenizer,
     write_tokenizer_files,
 )
 
-OURS = ByteTokenizer()
+# the shipped directory's own vocabulary (bytes, or bytes with space runs and chat tags)
+OURS = load_tokenizer(TRAINED_DIR)
+V = OURS.vocab_size
 SPECIAL_TEXT = ["<bos>", "<eos>", "<pad>", "<|endoftext|>", "[gMASK]", "<sop>", "<|user|>"]
 SPECIAL_TEXT += ["<|assistant|>", "<|observation|>", "<|system|>", "<eos", "eos>", "<<eos>>"]
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -86,14 +89,22 @@ def test_our_loader_keeps_the_byte_tokenizer():
 
 def test_vocabulary_and_special_tokens(hf):
     cfg = json.loads((TRAINED_DIR / "config.json").read_text())
-    assert len(hf) == OURS.vocab_size == cfg["vocab_size"] == 259
+    assert type(OURS) is ByteTokenizer
+    assert (
+        len(hf)
+        == V
+        == cfg["vocab_size"]
+        == 259
+        + (OURS.space_runs and OURS.space_runs - 1)
+        + (len(CHAT_TAGS) if OURS.chat_tags else 0)
+    )
     assert hf.bos_token_id == OURS.bos_id == cfg["bos_token_id"]
     assert [hf.eos_token_id] == [OURS.eos_id] == cfg["eos_token_id"]
     assert hf.pad_token_id == OURS.pad_id == cfg["pad_token_id"]
     special = {i: OURS.SPECIAL[i] for i in sorted(OURS.SPECIAL)}
     assert dict(zip(hf.all_special_ids, hf.all_special_tokens, strict=True)) == special
     assert hf.convert_ids_to_tokens(list(special)) == list(special.values())
-    assert sorted(hf.get_vocab().values()) == list(range(259))
+    assert sorted(hf.get_vocab().values()) == list(range(V))
     # the chat template: the same as the directory's (none: our server writes role tags itself)
     tc = json.loads((TRAINED_DIR / "tokenizer_config.json").read_text())
     assert hf.chat_template == tc.get("chat_template") is None
@@ -104,8 +115,8 @@ def test_every_single_byte_and_special_id(hf):
     for i in range(OURS.vocab_size):
         check_ids(hf, [i])
         check_ids(hf, [65, i, 66])
-    assert [hf.convert_tokens_to_ids(t) for t in hf.convert_ids_to_tokens(list(range(259)))] == (
-        list(range(259))
+    assert [hf.convert_tokens_to_ids(t) for t in hf.convert_ids_to_tokens(list(range(V)))] == (
+        list(range(V))
     )
 
 
@@ -151,7 +162,7 @@ def test_ids_splitting_characters(hf, ids):
 
 
 @SETTINGS
-@given(st.lists(st.integers(0, 258), max_size=64))
+@given(st.lists(st.integers(0, V - 1), max_size=64))
 def test_any_ids(hf, ids):
     check_ids(hf, ids)
 
@@ -161,7 +172,7 @@ NON_ASCII = st.one_of(st.integers(0x80, 0xFF), st.integers(0x80, 0xBF), st.integ
 
 
 @SETTINGS
-@given(st.lists(st.one_of(NON_ASCII, st.integers(0, 258)), max_size=64))
+@given(st.lists(st.one_of(NON_ASCII, st.integers(0, V - 1)), max_size=64))
 def test_ids_mostly_non_ascii(hf, ids):
     check_ids(hf, ids)
 
@@ -179,7 +190,7 @@ def test_characters_cut_anywhere(hf, text, data):
 
 # ---- the writer (the trainer's export and the random model use it) -------------------------------
 def test_written_files_equal_the_shipped_ones(tmp_path):
-    write_tokenizer_files(tmp_path)
+    write_tokenizer_files(tmp_path, OURS.space_runs, OURS.chat_tags)
     for name in ("tokenizer_config.json",):
         assert json.loads((tmp_path / name).read_text()) == json.loads(
             (TRAINED_DIR / name).read_text()
@@ -290,8 +301,6 @@ def hf_tags(tmp_path_factory):
 
 
 def test_chat_tags_are_one_id_each_after_the_runs():
-    from dist_glm5.checkpoint.tokenizer import CHAT_TAGS
-
     assert TAGGED.vocab_size == 274 + len(CHAT_TAGS) == 286
     assert ByteTokenizer(0, chat_tags=True).tag_id("<|system|>") == 259  # no runs: after <pad>
     text = "<tool_call>f<arg_key>k</arg_key><arg_value>  v</arg_value></tool_call><tool_call"
