@@ -103,6 +103,13 @@ def register(p: argparse.ArgumentParser) -> None:
         "the committed recipe)",
     )
     p.add_argument(
+        "--match-head",
+        action="store_true",
+        help="supervise a head of layer 1 to read the id before (which holds layer 0's three "
+        "reads), so the induction head can match 4 ids and keep layer 0's free head (off: the "
+        "committed recipe)",
+    )
+    p.add_argument(
         "--export-only",
         action="store_true",
         help="export the run's last saved step to --export and stop (gate a run as it goes)",
@@ -138,5 +145,6 @@ def run(args: argparse.Namespace) -> int:
         chat_tags=args.chat_tags,
         offset_heads=args.offset_heads,
         kv_lora_rank=args.kv_lora_rank,
+        match_head=args.match_head,
     )
     return 0

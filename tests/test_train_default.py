@@ -676,3 +676,26 @@ def test_a_wider_latent_exports_its_width_and_resumes_only_as_itself(tmp_path):
     assert sd["model.layers.0.self_attn.kv_a_layernorm.weight"].shape == (96,)
     with pytest.raises(ValueError, match="--kv-lora-rank 96"):
         td.train(tmp_path / "run", steps=2, seed=3, space_runs=16)
+
+
+# ---- the match head (--match-head) --------------------------------------------------------------
+def test_match_head_loss_is_its_weight_on_the_id_before_and_resumes_only_as_itself(tmp_path):
+    """-log of MATCH_HEAD's weight on the id before, averaged over the rows past the first (a
+    written-out gather); off, the loss is zero and layer 1's weights are not kept."""
+    cfg = td.hf_config(TINY)
+    tr = td.Trainer(cfg, seed=0, match_head=True)
+    ids = torch.tensor([list(b"def f(x):\n    return x  # one\n" * 2)])
+    tr.losses(ids)
+    sup = tr.attention_supervision(ids, torch.full_like(ids, -1))
+    w, S = tr.heads[td.MATCH_LAYER][0, td.MATCH_HEAD], ids.shape[1]  # [S, S]
+    want = torch.stack([-torch.log(w[t, t - 1]) for t in range(1, S)]).mean()
+    assert torch.allclose(sup["match"], want)
+    sup["match"].backward()
+    assert tr.model.model.layers[td.MATCH_LAYER].self_attn.q_b_proj.weight.grad.any()
+    off = td.Trainer(cfg, seed=0)
+    off.losses(ids)
+    assert off.attention_supervision(ids, torch.full_like(ids, -1))["match"] == 0
+    assert td.MATCH_LAYER not in off.heads
+    td.train(tmp_path / "run", steps=1, seed=3, match_head=True)
+    with pytest.raises(ValueError, match="--match-head"):
+        td.train(tmp_path / "run", steps=2, seed=3)

@@ -147,6 +147,7 @@ SUPERVISION = (
     "indent",
     "tag",
     "json",
+    "match",
 )  # attention_supervision's and structure_losses' losses, weight 1
 LINE_LOSSES = ("line_indent", "line_end")  # attention_supervision's with line heads, weight 1
 # Attention supervision (see Trainer.attention_supervision): heads h of OFFSET_LAYER read the byte
@@ -159,6 +160,12 @@ OFFSET_LAYER, OFFSETS, INDUCTION_LAYER = 0, (1, 2, 3), 2
 # its weight on 6141's value for either key. A 4th offset head (4 back: OFFSETS_FAR) makes it 4 ids.
 # It takes the column head, so it goes with space runs only (no column losses there).
 OFFSETS_FAR = (1, 2, 3, 4)
+# x1 (OFFSETS_FAR) told the needles apart and stopped reading them (its copy loss stayed near 3.5
+# nats, 2.5 with three heads; a latent twice as wide did not help). The match head instead (off
+# unless asked: --match-head): head MATCH_HEAD of MATCH_LAYER reads the id before, whose residual
+# holds OFFSET_LAYER's three reads, so a key also carries the id 4 back and layer 0 keeps its
+# free head.
+MATCH_LAYER, MATCH_HEAD = 1, 0
 # Position-free copying: head 0 of INDUCTION_LAYER and the first half of its indexer's heads
 # have no rotary query (their q_b_proj / wq_b rows for the rope dims are held at zero),
 # so they match on content alone and score a key 16K back as they score one 100 back. Copying is
@@ -478,9 +485,11 @@ class Trainer:
         line_heads: bool = False,
         tok: ByteTokenizer | None = None,
         offsets: tuple[int, ...] = OFFSETS,
+        match_head: bool = False,
     ):
         """tok: the vocabulary's tokenizer (default: bytes); offsets: how far back heads 0.. of
-        OFFSET_LAYER read (OFFSETS, or OFFSETS_FAR with space runs)."""
+        OFFSET_LAYER read (OFFSETS, or OFFSETS_FAR with space runs); match_head: supervise
+        MATCH_HEAD of MATCH_LAYER to read the id before."""
         from transformers import GlmMoeDsaForCausalLM
 
         torch.manual_seed(seed)
@@ -505,6 +514,9 @@ class Trainer:
         self.heads: dict[int, torch.Tensor] = {}  # supervised layers' weights, graph kept
         self.values: dict[int, torch.Tensor] = {}  # their heads' outputs (o_proj's input)
         assert INDENT_LAYER in (OFFSET_LAYER, INDUCTION_LAYER)  # the line heads' weights are kept
+        self.match_head = match_head
+        if match_head:
+            layers[MATCH_LAYER].self_attn.register_forward_hook(self._keep_head(MATCH_LAYER))
         for i in (OFFSET_LAYER, INDUCTION_LAYER):
             layers[i].self_attn.register_forward_hook(self._keep_head(i))
             layers[i].self_attn.o_proj.register_forward_hook(self._keep_value(i))
@@ -640,6 +652,13 @@ class Trainer:
                 # weight on the key starts far below 1e-6, where that floor passes no gradient
                 lw = torch.log(a.squeeze(-1).clamp_min(1e-30))
                 out[name] = -lw[want].mean() if want.any() else lw.sum() * 0.0
+        if self.match_head:  # -log weight on the id before (not across a position jump)
+            near = self._near(1)
+            keys = torch.arange(S - 1).view(1, -1, 1).expand(B, -1, 1)
+            wm = self.heads[MATCH_LAYER][:, MATCH_HEAD, 1:].gather(-1, keys).squeeze(-1)
+            out["match"] = -torch.log(wm.clamp_min(1e-6))[near].mean()
+        else:
+            out["match"] = w.sum() * 0.0
         out["index"] = self.index_loss(induction)
         return out
 
@@ -1179,6 +1198,7 @@ def train(
     chat_tags: bool = False,
     offset_heads: int = len(OFFSETS),
     kv_lora_rank: int = TRAIN_CONFIG["kv_lora_rank"],
+    match_head: bool = False,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1192,7 +1212,7 @@ def train(
     space_runs, chat_tags: the vocabulary of ByteTokenizer(space_runs, chat_tags) (0 and false:
     bytes, the committed recipe); offset_heads: 4 for OFFSETS_FAR (space runs only; 3: OFFSETS,
     the committed recipe); kv_lora_rank: the width of MLA's compressed KV (64: the committed
-    recipe)."""
+    recipe); match_head: supervise MATCH_HEAD (off: the committed recipe)."""
     from tqdm import tqdm
 
     plan = phases(base_extra, unloop_steps, unloop_at)
@@ -1203,7 +1223,7 @@ def train(
     tok = ByteTokenizer(space_runs, chat_tags)
     cfg = hf_config(train_config(tok, kv_lora_rank))
     offsets = {len(OFFSETS): OFFSETS, len(OFFSETS_FAR): OFFSETS_FAR}[offset_heads]
-    tr = Trainer(cfg, seed, line_heads, tok, offsets)
+    tr = Trainer(cfg, seed, line_heads, tok, offsets, match_head)
     data = Data(seed, reindent, tok)
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
     state_path = out / "state.pt"
@@ -1288,6 +1308,7 @@ def train(
                     "chat_tags": chat_tags,
                     "offsets": offsets,
                     "kv_lora_rank": kv_lora_rank,
+                    "match_head": match_head,
                 },
                 tmp,
             )
@@ -1317,6 +1338,11 @@ def resume(tr: Trainer, opt, state_path: Path, tok: ByteTokenizer) -> int:
         raise ValueError(
             f"{state_path} was trained with --kv-lora-rank {saved_rank}; resume it with the same "
             f"(asked: --kv-lora-rank {rank})"
+        )
+    if st.get("match_head", False) != tr.match_head:
+        raise ValueError(
+            f"{state_path} was trained with{'' if st.get('match_head') else 'out'} --match-head; "
+            "resume it the same way"
         )
     load_state(tr, state_path, st)
     opt.load_state_dict(st["opt"])
