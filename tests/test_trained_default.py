@@ -12,6 +12,7 @@ from runtime_util import require_trained_weights
 
 from dist_glm5.backends import get_backend
 from dist_glm5.checkpoint.default_model import TRAINED_DIR, ensure_default_model
+from dist_glm5.checkpoint.tokenizer import load_tokenizer
 from dist_glm5.train.corpus import frozen_heldout
 
 # Recorded by `dist-glm5 bench train-default --export` (dist_glm5/train/trainer.py: heldout_loss,
@@ -29,8 +30,14 @@ def ours():
     return load_model(TRAINED_DIR, dtype=torch.float32, ops=get_backend("cpu").ops())
 
 
+def _texts() -> list[bytes]:
+    return [t["text"].encode()[:1024] for t in frozen_heldout()[:2]]
+
+
 def _slice() -> list[list[int]]:
-    return [list(t["text"].encode()[:1024]) for t in frozen_heldout()[:2]]
+    """The slice in the shipped vocabulary's ids (bytes, or with space runs and chat tags)."""
+    tok = load_tokenizer(TRAINED_DIR)
+    return [tok.encode_bytes(b) for b in _texts()]
 
 
 def test_default_model_is_the_shipped_trained_one():
@@ -66,14 +73,16 @@ def test_same_logits_as_transformers(ours, tmp_path):
 def test_heldout_loss_is_the_recorded_one(ours):
     from dist_glm5.model.reference_loop import full_logits
 
+    # nats per byte: the ids' cross-entropy over the bytes they predict (all but the first id's)
+    first = load_tokenizer(TRAINED_DIR).token_bytes()
     nats, n = 0.0, 0
     with torch.no_grad():
-        for ids in _slice():
+        for b, ids in zip(_texts(), _slice(), strict=True):
             lo = full_logits(ours, ids).float()
             nats += torch.nn.functional.cross_entropy(
                 lo[:-1], torch.tensor(ids[1:]), reduction="sum"
             ).item()
-            n += len(ids) - 1
+            n += len(b) - len(first[ids[0]])
     loss = nats / n
     assert abs(loss - RECORDED_HELDOUT_LOSS) <= 0.02 * RECORDED_HELDOUT_LOSS, (
         f"held-out loss {loss:.4f} vs {RECORDED_HELDOUT_LOSS:.4f} recorded at training time"
