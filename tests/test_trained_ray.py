@@ -13,6 +13,7 @@ from runtime_util import ray_nodes, require_trained_weights
 
 from dist_glm5.backends import get_backend
 from dist_glm5.checkpoint.default_model import TRAINED_DIR
+from dist_glm5.checkpoint.tokenizer import load_tokenizer
 from dist_glm5.engine.config import CacheConfig, EngineConfig, Layout
 from dist_glm5.engine.coordinator import Coordinator
 from dist_glm5.engine.scheduler import SchedulerConfig
@@ -23,6 +24,7 @@ from dist_glm5.train.corpus import frozen_heldout, make_needles, needle_prompt
 
 require_trained_weights()
 SPARSE = DSAConfig(mode="sparse", dense_threshold=0)  # selection on at every context length
+TOK = load_tokenizer(TRAINED_DIR)  # the shipped vocabulary: bytes, or with space runs and tags
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +90,7 @@ class DraftLedger:
 
 
 def test_mtp_accepts_and_rejects_with_greedy_output_unchanged(cluster):
-    prompt = list(frozen_heldout()[2]["text"].encode()[:200])
+    prompt = TOK.encode_bytes(frozen_heldout()[2]["text"].encode()[:200])
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     off = serve(False, SPARSE)
     try:
@@ -112,7 +114,9 @@ def _needle_case():
     rng = random.Random(7)
     (needle,) = make_needles(rng, 1)
     filler = "\n".join(t["text"] for t in frozen_heldout()[3:]).encode()[:3000]
-    prompt = list(needle_prompt(rng, filler, [needle], (0.1, 0.3)) + b"\n" + needle.query)
+    prompt = TOK.encode_bytes(
+        needle_prompt(rng, filler, [needle], (0.1, 0.3)) + b"\n" + needle.query
+    )
     assert len(prompt) > 2500 and len(prompt) > 30 * ModelConfig.from_hf(TRAINED_DIR).index_topk
     return prompt, needle.value
 
@@ -132,7 +136,7 @@ def needle_answer(cluster):
         c.close()
     ref = load_model(TRAINED_DIR, dtype=torch.float32, ops=get_backend("cpu").ops())
     (r,) = generate(ref, [prompt], params)
-    return bytes(s.output).decode("utf-8", "replace"), value, bytes(r.token_ids).decode()
+    return TOK.decode(s.output), value, TOK.decode(r.token_ids)
 
 
 def test_needle_two_stage_sparse_answer_equals_the_reference_path(needle_answer):
