@@ -112,7 +112,7 @@ def test_vocabulary_and_special_tokens(hf):
 
 
 def test_every_single_byte_and_special_id(hf):
-    for i in range(OURS.vocab_size):
+    for i in range(V):
         check_ids(hf, [i])
         check_ids(hf, [65, i, 66])
     assert [hf.convert_tokens_to_ids(t) for t in hf.convert_ids_to_tokens(list(range(V)))] == (

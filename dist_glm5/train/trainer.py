@@ -1321,28 +1321,11 @@ def train(
 def resume(tr: Trainer, opt, state_path: Path, tok: ByteTokenizer) -> int:
     """Load a run's saved state into `tr` and `opt`; returns its step."""
     st = torch.load(state_path, weights_only=False)
-    saved = state_tokenizer(st)
-    if (saved.space_runs, saved.chat_tags) != (tok.space_runs, tok.chat_tags):
+    saved = _flags(state_tokenizer(st), state_offsets(st), state_kv_lora_rank(st), state_match(st))
+    asked = _flags(tok, tr.offsets, tr.model.config.kv_lora_rank, tr.match_head)
+    if saved != asked:
         raise ValueError(
-            f"{state_path} was trained with {_flags(saved)}; resume it with the same (asked: "
-            f"{_flags(tok)})"
-        )
-    saved_offsets = state_offsets(st)
-    if saved_offsets != tr.offsets:
-        raise ValueError(
-            f"{state_path} was trained with --offset-heads {len(saved_offsets)}; resume it with "
-            f"the same (asked: --offset-heads {len(tr.offsets)})"
-        )
-    saved_rank, rank = state_kv_lora_rank(st), tr.model.config.kv_lora_rank
-    if saved_rank != rank:
-        raise ValueError(
-            f"{state_path} was trained with --kv-lora-rank {saved_rank}; resume it with the same "
-            f"(asked: --kv-lora-rank {rank})"
-        )
-    if st.get("match_head", False) != tr.match_head:
-        raise ValueError(
-            f"{state_path} was trained with{'' if st.get('match_head') else 'out'} --match-head; "
-            "resume it the same way"
+            f"{state_path} was trained with {saved}; resume it with the same (asked: {asked})"
         )
     load_state(tr, state_path, st)
     opt.load_state_dict(st["opt"])
@@ -1365,9 +1348,20 @@ def state_kv_lora_rank(st: dict) -> int:
     return st.get("kv_lora_rank", TRAIN_CONFIG["kv_lora_rank"])
 
 
-def _flags(tok: ByteTokenizer) -> str:
-    """train-default's flags for tok's vocabulary."""
-    return f"--space-runs {tok.space_runs}" + (" --chat-tags" if tok.chat_tags else "")
+def state_match(st: dict) -> bool:
+    """Whether a saved state was trained with the match head (states before the flag: no)."""
+    return st.get("match_head", False)
+
+
+def _flags(tok: ByteTokenizer, offsets: tuple[int, ...], kv_lora_rank: int, match: bool) -> str:
+    """train-default's flags for a run's shape (what a resume must be given again); the
+    committed recipe's values are left out."""
+    out = [f"--space-runs {tok.space_runs}"] + (["--chat-tags"] if tok.chat_tags else [])
+    if offsets != OFFSETS:
+        out.append(f"--offset-heads {len(offsets)}")
+    if kv_lora_rank != TRAIN_CONFIG["kv_lora_rank"]:
+        out.append(f"--kv-lora-rank {kv_lora_rank}")
+    return " ".join(out + (["--match-head"] if match else []))
 
 
 def load_state(tr: Trainer, state_path: Path, st: dict | None = None) -> dict:
