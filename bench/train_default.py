@@ -110,6 +110,12 @@ def register(p: argparse.ArgumentParser) -> None:
         "committed recipe)",
     )
     p.add_argument(
+        "--copy-direct",
+        action="store_true",
+        help="the copy loss on what the induction head adds to the logits at the residual's "
+        "scale, not on its output normalised alone (off: the committed recipe)",
+    )
+    p.add_argument(
         "--export-only",
         action="store_true",
         help="export the run's last saved step to --export and stop (gate a run as it goes)",
@@ -146,5 +152,6 @@ def run(args: argparse.Namespace) -> int:
         offset_heads=args.offset_heads,
         kv_lora_rank=args.kv_lora_rank,
         match_head=args.match_head,
+        copy_direct=args.copy_direct,
     )
     return 0

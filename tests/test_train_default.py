@@ -699,3 +699,40 @@ def test_match_head_loss_is_its_weight_on_the_id_before_and_resumes_only_as_itse
     td.train(tmp_path / "run", steps=1, seed=3, match_head=True)
     with pytest.raises(ValueError, match="--match-head"):
         td.train(tmp_path / "run", steps=2, seed=3)
+
+
+# ---- the copy loss at the residual's scale (--copy-direct) ----------------------------------
+def test_direct_copy_loss_is_the_induction_heads_share_of_the_models_logits():
+    """With copy_direct the copy loss is the cross-entropy of what head 0 of INDUCTION_LAYER adds
+    to the model's own logits: transformers' logits less those of the residual without that
+    head's part, at the residual's norm scale (the final norm is linear at a fixed scale). Off,
+    it is the head's output normalised alone, which does not see the head's size."""
+    g = torch.Generator().manual_seed(2)
+    half = torch.randint(0, 256, (40,), generator=g)
+    ids = torch.cat([half, half])[None]  # [1, 80]: the second half repeats the first
+    induction = torch.full_like(ids, -1)
+    induction[0, 40:79] = torch.arange(1, 40)  # row 40 + i: the byte to predict sits at i + 1
+    cfg = td.hf_config(TINY)
+    tr = td.Trainer(cfg, seed=0, copy_direct=True)
+    m = tr.model.model
+    seen = {}
+    m.norm.register_forward_pre_hook(lambda mod, a: seen.__setitem__("r", a[0].detach()))
+    o_proj = tr._layer(td.INDUCTION_LAYER).self_attn.o_proj
+    o_proj.register_forward_pre_hook(lambda mod, a: seen.__setitem__("v", a[0].detach()))
+    tr.losses(ids)
+    sup = tr.attention_supervision(ids, induction)
+    want = induction[0] >= 0
+    r, v = seen["r"][0][want], seen["v"][0][want][:, : cfg.v_head_dim]
+    part = v @ o_proj.weight[:, : cfg.v_head_dim].T  # head 0's share of the residual
+    rest = (
+        m.norm.weight * (r - part) * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    )
+    head_logits = tr.logits[0][want].detach() - tr.model.lm_head(rest)
+    oracle = torch.nn.functional.cross_entropy(head_logits, ids[0, 1:][want[:-1]])
+    assert torch.allclose(sup["copy"], oracle, atol=1e-5)
+    sup["copy"].backward()
+    assert o_proj.weight.grad[:, : cfg.v_head_dim].any()
+    assert not o_proj.weight.grad[:, cfg.v_head_dim :].any()  # the other heads' columns: not
+    off = td.Trainer(cfg, seed=0)
+    off.losses(ids)
+    assert not torch.allclose(off.attention_supervision(ids, induction)["copy"], sup["copy"])

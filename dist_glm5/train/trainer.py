@@ -486,10 +486,12 @@ class Trainer:
         tok: ByteTokenizer | None = None,
         offsets: tuple[int, ...] = OFFSETS,
         match_head: bool = False,
+        copy_direct: bool = False,
     ):
         """tok: the vocabulary's tokenizer (default: bytes); offsets: how far back heads 0.. of
         OFFSET_LAYER read (OFFSETS, or OFFSETS_FAR with space runs); match_head: supervise
-        MATCH_HEAD of MATCH_LAYER to read the id before."""
+        MATCH_HEAD of MATCH_LAYER to read the id before; copy_direct: the copy loss on what the
+        induction head adds to the logits (see attention_supervision)."""
         from transformers import GlmMoeDsaForCausalLM
 
         torch.manual_seed(seed)
@@ -517,6 +519,10 @@ class Trainer:
         self.match_head = match_head
         if match_head:
             layers[MATCH_LAYER].self_attn.register_forward_hook(self._keep_head(MATCH_LAYER))
+        self.copy_direct = copy_direct
+        self.resid: torch.Tensor | None = None  # the final norm's input (copy_direct)
+        if copy_direct:
+            self.model.model.norm.register_forward_pre_hook(self._keep_resid)
         for i in (OFFSET_LAYER, INDUCTION_LAYER):
             layers[i].self_attn.register_forward_hook(self._keep_head(i))
             layers[i].self_attn.o_proj.register_forward_hook(self._keep_value(i))
@@ -591,6 +597,9 @@ class Trainer:
 
         return hook
 
+    def _keep_resid(self, mod, args):
+        self.resid = args[0]  # [B, S, H], the last layer's output before the final norm
+
     def _keep_value(self, i):
         def hook(mod, args, out):
             self.values[i] = args[0]  # [B, S, heads * v_head_dim]
@@ -636,7 +645,19 @@ class Trainer:
         if want.any():
             v0 = self.values[INDUCTION_LAYER][want][:, : self.cfg.v_head_dim]  # repeats' rows only
             w_o = att.o_proj.weight[:, : v0.shape[-1]]
-            lo = self.model.lm_head(self.model.model.norm(F.linear(v0, w_o)))
+            norm = self.model.model.norm
+            if self.copy_direct:
+                # what head 0 adds to the model's logits (the final norm is linear in its input
+                # at a fixed scale, so the logits are the sum of each part's): its output at the
+                # whole residual's scale. The form above normalises the head's output alone, so
+                # it trains the direction and not the size: teacher-forced on m1, a head with all
+                # its weight on the needle's next id added +2.0 nats for it, and layer 3's MoE
+                # -3.5 against it (docs/trained_default.md, "The copy's size")
+                r = self.resid[want]
+                scale = torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+                lo = self.model.lm_head(norm.weight * F.linear(v0, w_o) * scale.detach())
+            else:
+                lo = self.model.lm_head(norm(F.linear(v0, w_o)))
             out["ind"] = ind[want].mean()
             out["copy"] = F.cross_entropy(lo, nxt[want])
             # the whole model on those rows, weighted up: head 0's byte is a small part of the
@@ -1199,6 +1220,7 @@ def train(
     offset_heads: int = len(OFFSETS),
     kv_lora_rank: int = TRAIN_CONFIG["kv_lora_rank"],
     match_head: bool = False,
+    copy_direct: bool = False,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1212,7 +1234,9 @@ def train(
     space_runs, chat_tags: the vocabulary of ByteTokenizer(space_runs, chat_tags) (0 and false:
     bytes, the committed recipe); offset_heads: 4 for OFFSETS_FAR (space runs only; 3: OFFSETS,
     the committed recipe); kv_lora_rank: the width of MLA's compressed KV (64: the committed
-    recipe); match_head: supervise MATCH_HEAD (off: the committed recipe)."""
+    recipe); match_head: supervise MATCH_HEAD (off: the committed recipe); copy_direct: the copy
+    loss on the induction head's share of the logits (Trainer; off: the committed recipe; a loss,
+    not a shape, so a resume does not check it, as skip_p)."""
     from tqdm import tqdm
 
     plan = phases(base_extra, unloop_steps, unloop_at)
@@ -1223,7 +1247,7 @@ def train(
     tok = ByteTokenizer(space_runs, chat_tags)
     cfg = hf_config(train_config(tok, kv_lora_rank))
     offsets = {len(OFFSETS): OFFSETS, len(OFFSETS_FAR): OFFSETS_FAR}[offset_heads]
-    tr = Trainer(cfg, seed, line_heads, tok, offsets, match_head)
+    tr = Trainer(cfg, seed, line_heads, tok, offsets, match_head, copy_direct)
     data = Data(seed, reindent, tok)
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
     state_path = out / "state.pt"
