@@ -113,7 +113,8 @@ def register(p: argparse.ArgumentParser) -> None:
         "--copy-direct",
         action="store_true",
         help="the copy loss on what the induction head adds to the logits at the residual's "
-        "scale, not on its output normalised alone (off: the committed recipe)",
+        "scale, not on its output normalised alone, from the base phase on (off: the committed "
+        "recipe)",
     )
     p.add_argument(
         "--export-only",

@@ -1235,8 +1235,8 @@ def train(
     bytes, the committed recipe); offset_heads: 4 for OFFSETS_FAR (space runs only; 3: OFFSETS,
     the committed recipe); kv_lora_rank: the width of MLA's compressed KV (64: the committed
     recipe); match_head: supervise MATCH_HEAD (off: the committed recipe); copy_direct: the copy
-    loss on the induction head's share of the logits (Trainer; off: the committed recipe; a loss,
-    not a shape, so a resume does not check it, as skip_p)."""
+    loss on the induction head's share of the logits from the base phase on (Trainer; off: the
+    committed recipe; a loss, not a shape, so a resume does not check it, as skip_p)."""
     from tqdm import tqdm
 
     plan = phases(base_extra, unloop_steps, unloop_at)
@@ -1269,6 +1269,10 @@ def train(
         (seq, batch), sparse = ph.shape(step), ph.sparse
         indexers_only, draft_only = ph.train == "indexers", ph.train == "draft"
         tr.set_sparse(sparse)
+        # the direct copy loss from the base phase on: from the first step (m2a) it held the
+        # copy loss near 3.7 nats and lm_copy 0.7 behind m1 at step 500; the drill phase keeps
+        # the normalised form, which forms the copy first
+        tr.copy_direct = copy_direct and ph.mix != "drill"
         tr.freeze_model(ph.train)
         set_rates(opt, ph, step, model_steps, lr)
         ids, induction, reply = data.batch(step, seq, batch, ph.mix)
