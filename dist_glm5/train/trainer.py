@@ -1244,14 +1244,13 @@ def train(
     torch.set_num_threads(threads)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = ByteTokenizer(space_runs, chat_tags)
-    cfg = hf_config(train_config(tok, kv_lora_rank))
     offsets = {len(OFFSETS): OFFSETS, len(OFFSETS_FAR): OFFSETS_FAR}[offset_heads]
-    tr = Trainer(cfg, seed, line_heads, tok, offsets, match_head, copy_direct)
-    data = Data(seed, reindent, tok)
+    shape = RunShape(space_runs, chat_tags, offsets, kv_lora_rank, match_head)
+    tr = shape.trainer(seed, line_heads, copy_direct)
+    data = Data(seed, reindent, tr.tok)
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
     state_path = out / "state.pt"
-    step = resume(tr, opt, state_path, tok) if state_path.exists() else 0
+    step = resume(tr, opt, state_path, shape) if state_path.exists() else 0
     logf = open(out / "train.log", "a")
     # the cosine runs over the phases that train the model (the unloop phase at its own rate)
     cosine = [ph.end for ph in plan if ph.train == "all" and not ph.unlikelihood]
@@ -1332,11 +1331,7 @@ def train(
                     "structure": tr.structure.state_dict(),
                     "opt": opt.state_dict(),
                     "step": step,
-                    "space_runs": space_runs,
-                    "chat_tags": chat_tags,
-                    "offsets": offsets,
-                    "kv_lora_rank": kv_lora_rank,
-                    "match_head": match_head,
+                    **shape.state(),
                 },
                 tmp,
             )
@@ -1346,11 +1341,10 @@ def train(
         export(tr, Path(export_to))
 
 
-def resume(tr: Trainer, opt, state_path: Path, tok: ByteTokenizer) -> int:
+def resume(tr: Trainer, opt, state_path: Path, shape: RunShape) -> int:
     """Load a run's saved state into `tr` and `opt`; returns its step."""
     st = torch.load(state_path, weights_only=False)
-    saved = _flags(state_tokenizer(st), state_offsets(st), state_kv_lora_rank(st), state_match(st))
-    asked = _flags(tok, tr.offsets, tr.model.config.kv_lora_rank, tr.match_head)
+    saved, asked = RunShape.of_state(st).flags(), shape.flags()
     if saved != asked:
         raise ValueError(
             f"{state_path} was trained with {saved}; resume it with the same (asked: {asked})"
@@ -1361,35 +1355,45 @@ def resume(tr: Trainer, opt, state_path: Path, tok: ByteTokenizer) -> int:
     return st["step"]
 
 
-def state_tokenizer(st: dict) -> ByteTokenizer:
-    """The tokenizer a saved state was trained with (states before the flags: bytes)."""
-    return ByteTokenizer(st.get("space_runs", 0), st.get("chat_tags", False))
+@dataclass(frozen=True)
+class RunShape:
+    """What a run's weights are shaped by (its state.pt records it; a resume must be given the
+    same): the vocabulary, the offset heads, MLA's latent width and the match head. States saved
+    before a field was recorded read the committed recipe's value."""
 
+    space_runs: int = 0
+    chat_tags: bool = False
+    offsets: tuple[int, ...] = OFFSETS
+    kv_lora_rank: int = TRAIN_CONFIG["kv_lora_rank"]
+    match_head: bool = False
 
-def state_offsets(st: dict) -> tuple[int, ...]:
-    """The offset heads' distances a saved state was trained with (states before: OFFSETS)."""
-    return tuple(st.get("offsets", OFFSETS))
+    @classmethod
+    def of_state(cls, st: dict) -> RunShape:
+        known = {f.name for f in dataclasses.fields(cls)}
+        shape = cls(**{k: v for k, v in st.items() if k in known})
+        return dataclasses.replace(shape, offsets=tuple(shape.offsets))
 
+    def state(self) -> dict:
+        """The fields as state.pt keeps them."""
+        return dataclasses.asdict(self)
 
-def state_kv_lora_rank(st: dict) -> int:
-    """The MLA latent width a saved state was trained with (before the flag: the config's)."""
-    return st.get("kv_lora_rank", TRAIN_CONFIG["kv_lora_rank"])
+    def tokenizer(self) -> ByteTokenizer:
+        return ByteTokenizer(self.space_runs, self.chat_tags)
 
+    def trainer(self, seed: int, line_heads: bool = False, copy_direct: bool = False) -> Trainer:
+        cfg = hf_config(train_config(self.tokenizer(), self.kv_lora_rank))
+        return Trainer(
+            cfg, seed, line_heads, self.tokenizer(), self.offsets, self.match_head, copy_direct
+        )
 
-def state_match(st: dict) -> bool:
-    """Whether a saved state was trained with the match head (states before the flag: no)."""
-    return st.get("match_head", False)
-
-
-def _flags(tok: ByteTokenizer, offsets: tuple[int, ...], kv_lora_rank: int, match: bool) -> str:
-    """train-default's flags for a run's shape (what a resume must be given again); the
-    committed recipe's values are left out."""
-    out = [f"--space-runs {tok.space_runs}"] + (["--chat-tags"] if tok.chat_tags else [])
-    if offsets != OFFSETS:
-        out.append(f"--offset-heads {len(offsets)}")
-    if kv_lora_rank != TRAIN_CONFIG["kv_lora_rank"]:
-        out.append(f"--kv-lora-rank {kv_lora_rank}")
-    return " ".join(out + (["--match-head"] if match else []))
+    def flags(self) -> str:
+        """train-default's flags for this shape; the committed recipe's values are left out."""
+        out = [f"--space-runs {self.space_runs}"] + (["--chat-tags"] if self.chat_tags else [])
+        if self.offsets != OFFSETS:
+            out.append(f"--offset-heads {len(self.offsets)}")
+        if self.kv_lora_rank != TRAIN_CONFIG["kv_lora_rank"]:
+            out.append(f"--kv-lora-rank {self.kv_lora_rank}")
+        return " ".join(out + (["--match-head"] if self.match_head else []))
 
 
 def load_state(tr: Trainer, state_path: Path, st: dict | None = None) -> dict:
@@ -1415,9 +1419,7 @@ def export_state(out: Path, dst: Path, seed: int) -> int:
             "train first (the same command without --export-only)"
         )
     st = torch.load(state_path, weights_only=False)
-    tok = state_tokenizer(st)
-    cfg = hf_config(train_config(tok, state_kv_lora_rank(st)))
-    tr = Trainer(cfg, seed, tok=tok, offsets=state_offsets(st))
+    tr = RunShape.of_state(st).trainer(seed)
     step = load_state(tr, state_path, st)["step"]
     export(tr, Path(dst))
     log.info("exported step %d of %s", step, out)
