@@ -1344,10 +1344,11 @@ def train(
 def resume(tr: Trainer, opt, state_path: Path, shape: RunShape) -> int:
     """Load a run's saved state into `tr` and `opt`; returns its step."""
     st = torch.load(state_path, weights_only=False)
-    saved, asked = RunShape.of_state(st).flags(), shape.flags()
-    if saved != asked:
+    saved = RunShape.of_state(st)
+    if saved != shape:
         raise ValueError(
-            f"{state_path} was trained with {saved}; resume it with the same (asked: {asked})"
+            f"{state_path} was trained with {saved.flags()}; resume it with the same "
+            f"(asked: {shape.flags()})"
         )
     load_state(tr, state_path, st)
     opt.load_state_dict(st["opt"])
@@ -1381,10 +1382,9 @@ class RunShape:
         return ByteTokenizer(self.space_runs, self.chat_tags)
 
     def trainer(self, seed: int, line_heads: bool = False, copy_direct: bool = False) -> Trainer:
-        cfg = hf_config(train_config(self.tokenizer(), self.kv_lora_rank))
-        return Trainer(
-            cfg, seed, line_heads, self.tokenizer(), self.offsets, self.match_head, copy_direct
-        )
+        tok = self.tokenizer()
+        cfg = hf_config(train_config(tok, self.kv_lora_rank))
+        return Trainer(cfg, seed, line_heads, tok, self.offsets, self.match_head, copy_direct)
 
     def flags(self) -> str:
         """train-default's flags for this shape; the committed recipe's values are left out."""
