@@ -111,10 +111,14 @@ def register(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--copy-direct",
-        action="store_true",
-        help="the copy loss on what the induction head adds to the logits at the residual's "
-        "scale, not on its output normalised alone, from the base phase on (off: the committed "
-        "recipe)",
+        type=float,
+        nargs="?",
+        const=1.0,
+        default=0.0,
+        metavar="SHARE",
+        help="the share (0 to 1; 1 when given bare) of the copy loss taken on what the induction "
+        "head adds to the logits at the residual's scale, the rest on its output normalised "
+        "alone, from the base phase on (0: the committed recipe)",
     )
     p.add_argument(
         "--export-only",
@@ -133,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("--export-only needs --export DIR (where to write the checkpoint)")
         export_state(Path(args.out), Path(args.export), args.seed)
         return 0
+    if not 0.0 <= args.copy_direct <= 1.0:
+        raise SystemExit(
+            f"--copy-direct is a share of the copy loss, 0 to 1; got {args.copy_direct}"
+        )
     train(
         Path(args.out),
         steps=args.steps,

@@ -720,9 +720,10 @@ def test_direct_copy_loss_is_the_induction_heads_share_of_the_models_logits():
     o_proj = tr._layer(td.INDUCTION_LAYER).self_attn.o_proj
     o_proj.register_forward_pre_hook(lambda mod, a: seen.__setitem__("v", a[0].detach()))
     tr.losses(ids)
+    resid = seen["r"][0]  # the model's forward (the loss's normalised form calls the norm again)
     sup = tr.attention_supervision(ids, induction)
     want = induction[0] >= 0
-    r, v = seen["r"][0][want], seen["v"][0][want][:, : cfg.v_head_dim]
+    r, v = resid[want], seen["v"][0][want][:, : cfg.v_head_dim]
     part = v @ o_proj.weight[:, : cfg.v_head_dim].T  # head 0's share of the residual
     rest = (
         m.norm.weight * (r - part) * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
@@ -735,4 +736,12 @@ def test_direct_copy_loss_is_the_induction_heads_share_of_the_models_logits():
     assert not o_proj.weight.grad[:, cfg.v_head_dim :].any()  # the other heads' columns: not
     off = td.Trainer(cfg, seed=0)
     off.losses(ids)
-    assert not torch.allclose(off.attention_supervision(ids, induction)["copy"], sup["copy"])
+    normalised = off.attention_supervision(ids, induction)["copy"]
+    assert not torch.allclose(normalised, sup["copy"])
+    # a share: that much of the loss direct, the rest normalised (same seed, same weights)
+    part = td.Trainer(cfg, seed=0, copy_direct=0.3)
+    part.losses(ids)
+    mixed = part.attention_supervision(ids, induction)["copy"]
+    assert torch.allclose(mixed, 0.3 * oracle + 0.7 * normalised, atol=1e-5)
+    with pytest.raises(ValueError, match="share of the copy loss"):
+        td.Trainer(cfg, seed=0, copy_direct=1.5)

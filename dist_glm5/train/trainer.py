@@ -486,12 +486,12 @@ class Trainer:
         tok: ByteTokenizer | None = None,
         offsets: tuple[int, ...] = OFFSETS,
         match_head: bool = False,
-        copy_direct: bool = False,
+        copy_direct: float = 0.0,
     ):
         """tok: the vocabulary's tokenizer (default: bytes); offsets: how far back heads 0.. of
         OFFSET_LAYER read (OFFSETS, or OFFSETS_FAR with space runs); match_head: supervise
-        MATCH_HEAD of MATCH_LAYER to read the id before; copy_direct: the copy loss on what the
-        induction head adds to the logits (see attention_supervision)."""
+        MATCH_HEAD of MATCH_LAYER to read the id before; copy_direct: the share (0 to 1) of the
+        copy loss taken on what the induction head adds to the logits (attention_supervision)."""
         from transformers import GlmMoeDsaForCausalLM
 
         torch.manual_seed(seed)
@@ -519,7 +519,9 @@ class Trainer:
         self.match_head = match_head
         if match_head:
             layers[MATCH_LAYER].self_attn.register_forward_hook(self._keep_head(MATCH_LAYER))
-        self.copy_direct = copy_direct
+        if not 0.0 <= copy_direct <= 1.0:
+            raise ValueError(f"copy_direct is a share of the copy loss, 0 to 1; got {copy_direct}")
+        self.copy_direct = copy_direct  # train() sets it per phase (0 in the drill phase)
         self.resid: torch.Tensor | None = None  # the final norm's input (copy_direct)
         if copy_direct:
             self.model.model.norm.register_forward_pre_hook(self._keep_resid)
@@ -646,20 +648,23 @@ class Trainer:
             v0 = self.values[INDUCTION_LAYER][want][:, : self.cfg.v_head_dim]  # repeats' rows only
             w_o = att.o_proj.weight[:, : v0.shape[-1]]
             norm = self.model.model.norm
+            r = self.resid[want] if self.copy_direct else None  # before norm() below replaces it
+            copy = F.cross_entropy(self.model.lm_head(norm(F.linear(v0, w_o))), nxt[want])
             if self.copy_direct:
                 # what head 0 adds to the model's logits (the final norm is linear in its input
                 # at a fixed scale, so the logits are the sum of each part's): its output at the
                 # whole residual's scale. The form above normalises the head's output alone, so
                 # it trains the direction and not the size: teacher-forced on m1, a head with all
                 # its weight on the needle's next id added +2.0 nats for it, and layer 3's MoE
-                # -3.5 against it (docs/trained_default.md, "The copy's size")
-                r = self.resid[want]
+                # -3.5 against it (docs/trained_default.md, "The copy's size"). Below a share of
+                # 1 the rest stays on the normalised form: m2 (all of it direct) found every code
+                # needle and repeated a JSON object's keys
                 scale = torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
                 lo = self.model.lm_head(norm.weight * F.linear(v0, w_o) * scale.detach())
-            else:
-                lo = self.model.lm_head(norm(F.linear(v0, w_o)))
+                share = self.copy_direct
+                copy = share * F.cross_entropy(lo, nxt[want]) + (1 - share) * copy
             out["ind"] = ind[want].mean()
-            out["copy"] = F.cross_entropy(lo, nxt[want])
+            out["copy"] = copy
             # the whole model on those rows, weighted up: head 0's byte is a small part of the
             # final residual, and the LM alone took hundreds of steps to start using it
             out["lm_copy"] = F.cross_entropy(self.logits[want], nxt[want])
@@ -1220,7 +1225,7 @@ def train(
     offset_heads: int = len(OFFSETS),
     kv_lora_rank: int = TRAIN_CONFIG["kv_lora_rank"],
     match_head: bool = False,
-    copy_direct: bool = False,
+    copy_direct: float = 0.0,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1234,9 +1239,9 @@ def train(
     space_runs, chat_tags: the vocabulary of ByteTokenizer(space_runs, chat_tags) (0 and false:
     bytes, the committed recipe); offset_heads: 4 for OFFSETS_FAR (space runs only; 3: OFFSETS,
     the committed recipe); kv_lora_rank: the width of MLA's compressed KV (64: the committed
-    recipe); match_head: supervise MATCH_HEAD (off: the committed recipe); copy_direct: the copy
-    loss on the induction head's share of the logits from the base phase on (Trainer; off: the
-    committed recipe; a loss, not a shape, so a resume does not check it, as skip_p)."""
+    recipe); match_head: supervise MATCH_HEAD (off: the committed recipe); copy_direct: the share
+    of the copy loss on the induction head's share of the logits, from the base phase on
+    (Trainer; 0: the committed recipe; a loss, not a shape, so a resume does not check it)."""
     from tqdm import tqdm
 
     plan = phases(base_extra, unloop_steps, unloop_at)
@@ -1271,7 +1276,7 @@ def train(
         # the direct copy loss from the base phase on: from the first step (m2a) it held the
         # copy loss near 3.7 nats and lm_copy 0.7 behind m1 at step 500; the drill phase keeps
         # the normalised form, which forms the copy first
-        tr.copy_direct = copy_direct and ph.mix != "drill"
+        tr.copy_direct = copy_direct if ph.mix != "drill" else 0.0
         tr.freeze_model(ph.train)
         set_rates(opt, ph, step, model_steps, lr)
         ids, induction, reply = data.batch(step, seq, batch, ph.mix)
@@ -1381,7 +1386,7 @@ class RunShape:
     def tokenizer(self) -> ByteTokenizer:
         return ByteTokenizer(self.space_runs, self.chat_tags)
 
-    def trainer(self, seed: int, line_heads: bool = False, copy_direct: bool = False) -> Trainer:
+    def trainer(self, seed: int, line_heads: bool = False, copy_direct: float = 0.0) -> Trainer:
         tok = self.tokenizer()
         cfg = hf_config(train_config(tok, self.kv_lora_rank))
         return Trainer(cfg, seed, line_heads, tok, self.offsets, self.match_head, copy_direct)
