@@ -8,7 +8,8 @@
   work does not depend on the values), with exact and with int8 index keys (`--index-keys`), on
   the embedded model or `--model`. Goal: t(32K) / t(4K) <= 1.2. Beside each ratio, floors the
   first step plus the extra index keys cannot beat: read at the measured bandwidth, and (int8
-  keys) scanned at the measured vpdpbusd rate of a core times the threads.
+  keys on AVX-512 VNNI) scanned at the measured vpdpbusd rate of a core times the threads.
+  `int8-vnni`: int8 keys with the kernel's AMX path off, beside `int8` (AMX where the CPU has it).
 - Peak RSS per worker against the planner's prediction (planning/worker_memory.py) for the same
   run: weights + cache + workspaces.
 - The k-th largest score per row: bisection (Gaudi's method) against torch.topk (the CPU's).
@@ -82,6 +83,10 @@ from dist_glm5.quant import index_q8
 ctx, batch, steps, threads, warmup = map(int, sys.argv[1:6])
 keys, model = sys.argv[6], sys.argv[7] or ensure_default_model()
 torch.set_num_threads(threads)
+if keys == "int8-vnni":  # int8 keys with the AMX path off (the A/B where the CPU has AMX)
+    from dist_glm5.kernels import dsa_select
+    keys = "int8"
+    dsa_select.force_no_amx(True)
 m = load_model(model, mtp=False, ops=get_backend("cpu").ops(),
                dsa=DSAConfig(mode="sparse", index_keys=keys))
 per = ctx // 64 + 2
@@ -121,9 +126,10 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--index-keys",
         nargs="+",
-        choices=["exact", "int8"],
+        choices=["exact", "int8", "int8-vnni"],
         default=["exact", "int8"],
-        help="decode with these index keys, side by side",
+        help="decode with these index keys, side by side (int8-vnni: int8 with the kernel's AMX "
+        "path off, where the CPU has AMX)",
     )
     p.add_argument("--model", default="", help="decode on this checkpoint (default: embedded)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (one stage, and decode)")
@@ -213,11 +219,33 @@ def planned_mb(cfg, context: int, stages: int) -> dict[int, float]:
     }
 
 
-def decode_rows(args: argparse.Namespace, res: dict) -> None:
-    """The decode rows: each context and batch in a fresh process, with its floors."""
+def _scan_floor(args: argparse.Namespace) -> tuple[float, set, float]:
+    """(the vpdpbusd rate of a core, the index-key kinds it bounds, vpdpbusd per position): int8
+    keys' scan floor, Hi * D / 64 vpdpbusd a key-row and full indexer. Rows the AMX path scores
+    have none (rate 0 when no row is on VNNI)."""
     from dist_glm5.checkpoint.default_model import ensure_default_model
     from dist_glm5.kernels import dsa_select
     from dist_glm5.model.config import ModelConfig
+
+    dcfg = ModelConfig.from_hf(args.model or ensure_default_model())
+    full = sum(dcfg.has_indexer(i) for i in range(dcfg.num_hidden_layers))
+    per_pos = full * dcfg.index_n_heads * dcfg.index_head_dim / 64
+    amx = dsa_select.uses_amx(dcfg.index_head_dim, dcfg.index_n_heads)
+    on_vnni = {k for k in args.index_keys if k == "int8-vnni" or (k == "int8" and not amx)}
+    vnni = dsa_select.vnni_rate() if on_vnni and dsa_select.uses_vnni(dcfg.index_head_dim) else 0.0
+    if amx and "int8" in args.index_keys:
+        print("  int8 rows: scored with AMX (tdpbssd); int8-vnni rows: the same with AMX off")
+    if vnni:
+        print(
+            f"  {', '.join(sorted(on_vnni))} rows: scan floor = the first step + {per_pos:.0f} "
+            f"vpdpbusd per extra position at {vnni / 1e9:.1f} G/s a core (measured) x "
+            f"{args.threads}"
+        )
+    return vnni, on_vnni, per_pos
+
+
+def decode_rows(args: argparse.Namespace, res: dict) -> None:
+    """The decode rows: each context and batch in a fresh process, with its floors."""
     from dist_glm5.obs.bandwidth import read_bandwidth
 
     if not args.decode_contexts:
@@ -228,17 +256,7 @@ def decode_rows(args: argparse.Namespace, res: dict) -> None:
         f"{args.model or 'embedded'}; floor = the first context's step + the extra index "
         f"keys read at {bw / 1e9:.1f} GB/s (measured)"
     )
-    # int8 keys: the scan's arithmetic too, Hi * D / 64 vpdpbusd a key-row and full indexer
-    dcfg = ModelConfig.from_hf(args.model or ensure_default_model())
-    full = sum(dcfg.has_indexer(i) for i in range(dcfg.num_hidden_layers))
-    vnni_per_pos = full * dcfg.index_n_heads * dcfg.index_head_dim / 64
-    scans_vnni = "int8" in args.index_keys and dsa_select.uses_vnni(dcfg.index_head_dim)
-    vnni = dsa_select.vnni_rate() if scans_vnni else 0.0
-    if vnni:
-        print(
-            f"  int8 rows: scan floor = the first step + {vnni_per_pos:.0f} vpdpbusd per "
-            f"extra position at {vnni / 1e9:.1f} G/s a core (measured) x {args.threads}"
-        )
+    vnni, on_vnni, vnni_per_pos = _scan_floor(args)
     base: dict[tuple, float] = {}
     for B in args.decode_batches:
         for keys in args.index_keys:
@@ -265,7 +283,7 @@ def decode_rows(args: argparse.Namespace, res: dict) -> None:
                 floor = (first + 1e3 * extra / bw) / first  # keys alone, at the read rate
                 res["decode"][-1]["floor_ratio"] = floor
                 scan = ""
-                if keys == "int8" and vnni:
+                if keys in on_vnni and vnni:
                     sf = (first + 1e3 * B * (T - T0) * vnni_per_pos / (vnni * args.threads)) / first
                     res["decode"][-1]["scan_floor_ratio"] = sf
                     scan = f", scan floor {sf:.2f}x"

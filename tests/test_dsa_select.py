@@ -4,8 +4,9 @@ scattered through the store, a partial last block, rows with fewer causal keys t
 and fp32 stores, head counts off the kernel's tile of 4, decode-sized and prefill-sized row
 counts, the row blocks `dsa.select_fused` splits a chunk into, and integer-valued data where
 scores tie exactly (sums of small integers times a power of two are exact in any order, so the
-tie rule itself is compared). Int8 keys (quant/index_q8.py) on both of the kernel's paths (AVX-512
-VNNI where the CPU has it, and the portable one) against the torch form of their scores."""
+tie rule itself is compared). Int8 keys (quant/index_q8.py) on the kernel's three paths (AMX and
+AVX-512 VNNI where the CPU has them, and the portable one) against the torch form of their
+scores."""
 
 from __future__ import annotations
 
@@ -45,7 +46,21 @@ def _kernel_path(fast: str, uses):
     return path
 
 
-q8_path = _kernel_path("vnni", K.uses_vnni)  # int8 keys: AVX-512 VNNI or portable
+@pytest.fixture(params=["amx", "vnni", "portable"])
+def q8_path(request):
+    """int8 keys on each of the kernel's three paths: AMX, AVX-512 VNNI (AMX off) and portable
+    (each skipped where this CPU lacks it)."""
+    if request.param == "amx" and not K.uses_amx(64):
+        pytest.skip("this CPU has no AMX-INT8 (or the kernel may not use it)")
+    if request.param == "vnni" and not K.uses_vnni(64):
+        pytest.skip("this CPU has no AVX-512 VNNI: the portable path is the one it runs")
+    K.force_portable(request.param == "portable")
+    K.force_no_amx(request.param != "amx")
+    yield request.param
+    K.force_portable(False)
+    K.force_no_amx(False)
+
+
 bf16_path = _kernel_path("bf16dot", K.uses_bf16dot)  # bf16 keys, bf16 queries: AVX512-BF16
 
 
@@ -110,6 +125,25 @@ def test_int8_keys_prefill_rows_and_odd_head_counts(n, H, q8_path):
     q, w, store, keys, q_pos, D = case(3000, "int8", False, n=n, H=H, seed=n)
     want = torch_path(q, w, store, keys, q_pos, 64, D)
     got = K.select_rows(q, w, store, keys, q_pos, 64, D)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "n,H,D", [(1, 16, 32), (1, 8, 64), (1, 32, 128), (2, 32, 128), (1, 12, 96)]
+)
+def test_int8_keys_at_the_models_shapes(n, H, D, q8_path):
+    """A decode row (and an MTP pair) at the embedded model's indexer (16 heads x 32), the bench
+    model's (8 x 64) and GLM-5's (32 x 128), and one off the tiles (12 x 96: a partial head tile
+    and K chunk): AMX keeps a lone row's query tiles loaded across the keys."""
+    g = torch.Generator().manual_seed(D + n)
+    L, bs = 2000, 64
+    keys = KeySlots(torch.randperm(40, generator=g)[:32], bs, L)
+    store = index_q8.pack(torch.randn(40 * bs, D, generator=g))
+    q, w = torch.randn(n, H, D, generator=g), torch.randn(n, H, generator=g)
+    q_pos = torch.tensor([L - 1, L - 2][:n])
+    want = torch_path(q, w, store, keys, q_pos, 128, D)
+    got = K.select_rows(q, w, store, keys, q_pos, 128, D)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 

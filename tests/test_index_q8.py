@@ -175,5 +175,8 @@ def test_bench_longctx_decodes_with_int8_keys():
     full = sum(cfg.has_indexer(i) for i in range(cfg.num_hidden_layers))
     assert full == 2 and cfg.index_head_dim == 32
     assert r["index_key_bytes_per_position"] == full * index_q8.row_bytes(cfg.index_head_dim)
+    # the same keys with the kernel's AMX path off (the A/B where the CPU has AMX)
+    r = sub(_DECODE, 300, 2, 2, 1, 1, "int8-vnni", "")
+    assert r is not None and r["index_key_bytes_per_position"] == full * (cfg.index_head_dim + 4)
     r = sub(_DECODE, 300, 2, 2, 1, 1, "exact", "")
     assert r["index_key_bytes_per_position"] == full * cfg.index_head_dim * 2

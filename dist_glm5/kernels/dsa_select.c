@@ -27,6 +27,8 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "common.h"
 #ifdef _OPENMP
@@ -342,6 +344,150 @@ VNNI static void score_block_vnni(const int32_t *q4, const int32_t *qcorr, const
     }
 }
 
+/* ---- int8 keys on AMX (Intel Sapphire Rapids on): tdpbssd multiplies a 16 x K-byte tile of s8
+ * (K <= 64) by a K-byte x 16 tile into 16 x 16 int32, 16K products an instruction where vpdpbusd
+ * does 64. The keys are the A tile straight from the store (16 rows of D bytes at the row
+ * stride: no transpose, and s8 x s8, so no u8 bias); a row's queries are the B tile (head h's
+ * dword g at row g, column h; built once a call), so C[key][head] is the exact integer dot, as
+ * the VNNI path's. A key's score is then a sum along C's row: relu, c[h], and a tree of adds
+ * over 16 keys at once (hsum16). The same products as the other paths, added over the heads in
+ * another order (pairs 8 apart first), as the bf16 path's dots differ from the portable one's:
+ * the tests compare the selections with the torch form's. D <= 128 (two K chunks) and H <= 64
+ * (four tiles of 16 heads); other shapes take the VNNI path. */
+#if defined(__GNUC__) && __GNUC__ >= 11 && defined(__x86_64__)
+#define HAVE_AMX 1
+#define AMX_T __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+#else
+#define HAVE_AMX 0
+#endif
+
+typedef struct { /* ldtilecfg's 64 bytes, palette 1 */
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg;
+
+/* tmm0: C (16 keys x 16 heads, int32; 8 heads when H <= 8); tmm2, tmm3: A (16 keys x the first
+ * 64 bytes, the rest); tmm4, tmm5: B (those bytes' dwords x 16 heads, or 8). */
+static void amx_config(tilecfg *t, int D, int H) {
+    const int k0 = D < 64 ? D : 64, k1 = D - k0;
+    const uint16_t nb = H <= 8 ? 32 : 64;
+    memset(t, 0, sizeof *t);
+    t->palette = 1;
+    t->rows[0] = 16, t->colsb[0] = nb;
+    t->rows[2] = 16, t->colsb[2] = (uint16_t)k0;
+    t->rows[4] = (uint8_t)(k0 / 4), t->colsb[4] = nb;
+    if (k1) {
+        t->rows[3] = 16, t->colsb[3] = (uint16_t)k1;
+        t->rows[5] = (uint8_t)(k1 / 4), t->colsb[5] = nb;
+    }
+}
+
+#if HAVE_AMX
+/* The tile state is per thread: each thread of a scan loads the configuration and releases it. */
+AMX_T static void amx_begin(const tilecfg *t) { _tile_loadconfig(t); }
+AMX_T static void amx_end(void) { _tile_release(); }
+
+/* Lane k of hsum16's result: the sum of v[SIGMA[k]]'s 16 lanes. Four rounds of shuffles and adds
+ * (15 adds) instead of 16 horizontal reductions; SIGMA is the order the rounds leave the sums
+ * in (its own inverse), so the caller puts key k's vector at v[SIGMA[k]]. hsum_halves is its
+ * last three rounds: a[i]'s two 256-bit halves are v[i] and v[i + 8], 8 lanes each. */
+static const int SIGMA[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+AMX_T static inline __m512 hsum_halves(const __m512 *a) {
+    __m512 b[4], c[2];
+    for (int i = 0; i < 4; i++) /* 128-bit lanes: v[i], v[i + 8], v[i + 4], v[i + 12], 4 each */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 4], 0x88),
+                             _mm512_shuffle_f32x4(a[i], a[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++) /* each lane: b[i]'s vector 2 partial sums, b[i + 2]'s 2 */
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[i], b[i + 2], 0x44),
+                             _mm512_shuffle_ps(b[i], b[i + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+}
+AMX_T static inline __m512 hsum16(const __m512 *v) {
+    __m512 a[8];
+    for (int i = 0; i < 8; i++) /* 256-bit halves: v[i]'s 8 partial sums, v[i + 8]'s */
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44),
+                             _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+    return hsum_halves(a);
+}
+/* With at most 8 heads C holds 8 lanes a key, so one vector holds keys 2i and 2i + 1, already
+ * the first round's form: hsum_halves of those 8 vectors leaves key PAIRS[k] in lane k (v[p] is
+ * key 2p, v[p + 8] key 2p + 1, by SIGMA), and one permute puts key k in lane k. */
+static const int PAIRS[16] = {0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15};
+
+/* score_block for int8 keys on AMX: rows 0..n-1 (qb: each row's NT x 2 B tiles of 1 KiB, cv:
+ * its c = w * qs, 16 a head tile, zero past H) against the m <= 64 keys from `rows` on. H <= 8
+ * (one head tile of 8 columns): two keys a vector in the sum over heads. */
+AMX_T static void score_block_amx(const int8_t *qb, const float *cv, int n, int H, int NT, int D,
+                                  const uint8_t *rows, int m, float *out, int64_t ld, float *mx,
+                                  int64_t ldm) {
+    const __m512i pairs = _mm512_loadu_si512(PAIRS);
+    const int64_t stride = (int64_t)D + 4;
+    const int two = D > 64;
+    int32_t cb[4][256] __attribute__((aligned(64))); /* C of each head tile */
+    uint8_t pad[16 * (128 + 4)] __attribute__((aligned(64)));
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512i zi = _mm512_setzero_si512();
+    const __m512i at = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)stride));
+    for (int j0 = 0; j0 < m; j0 += 16) {
+        const int nk = m - j0 < 16 ? m - j0 : 16;
+        const uint8_t *kr = rows + j0 * stride;
+        if (nk < 16) { /* a tile load reads 16 rows: past the chunk's end is not ours */
+            memset(pad, 0, (size_t)(16 * stride));
+            memcpy(pad, kr, (size_t)(nk * stride));
+            kr = pad;
+        }
+        const __mmask16 km = (__mmask16)((1u << nk) - 1);
+        const __m512 ks = _mm512_mask_i32gather_ps(zero, km, at, kr + D, 1);
+        _tile_loadd(2, kr, stride);
+        if (two) _tile_loadd(3, kr + 64, stride);
+        /* one row of one head tile (a decode row of up to 16 heads): its B tiles stay loaded */
+        const int reload = !(n == 1 && NT == 1) || j0 == 0;
+        for (int r = 0; r < n; r++) {
+            for (int nt = 0; nt < NT; nt++) {
+                const int8_t *b = qb + (int64_t)(r * NT + nt) * 2048;
+                _tile_zero(0);
+                if (reload) _tile_loadd(4, b, 64);
+                _tile_dpbssd(0, 2, 4);
+                if (two) {
+                    if (reload) _tile_loadd(5, b + 1024, 64);
+                    _tile_dpbssd(0, 3, 5);
+                }
+                _tile_stored(0, cb[nt], H <= 8 ? 32 : 64);
+            }
+            const float *c = cv + (int64_t)r * NT * 16;
+            if (H <= 8) { /* keys 2i and 2i + 1 in one vector: C's rows are 32 bytes */
+                const __m512 c2 = _mm512_castsi512_ps(_mm512_broadcast_i64x4(
+                    _mm256_loadu_si256((const __m256i *)c)));
+                __m512 a[8];
+                for (int i = 0; i < 8; i++)
+                    a[i] = _mm512_mul_ps(c2, _mm512_cvtepi32_ps(_mm512_max_epi32(
+                                                 _mm512_load_si512(cb[0] + 16 * i), zi)));
+                const __m512 sc = _mm512_permutexvar_ps(pairs, hsum_halves(a));
+                _mm512_mask_storeu_ps(out + (int64_t)r * ld + j0, km, _mm512_mul_ps(sc, ks));
+                continue;
+            }
+            __m512 v[16];
+            for (int i = 0; i < 16; i++) { /* key i's 16 (or NT x 16) heads, relu and c[h] */
+                __m512 s = _mm512_mul_ps(
+                    _mm512_loadu_ps(c),
+                    _mm512_cvtepi32_ps(_mm512_max_epi32(_mm512_load_si512(cb[0] + 16 * i), zi)));
+                for (int nt = 1; nt < NT; nt++)
+                    s = _mm512_fmadd_ps(_mm512_loadu_ps(c + 16 * nt),
+                                        _mm512_cvtepi32_ps(_mm512_max_epi32(
+                                            _mm512_load_si512(cb[nt] + 16 * i), zi)),
+                                        s);
+                v[SIGMA[i]] = s;
+            }
+            _mm512_mask_storeu_ps(out + (int64_t)r * ld + j0, km, _mm512_mul_ps(hsum16(v), ks));
+        }
+    }
+    if (mx) stored_max(out, ld, n, m, mx, ldm);
+}
+#endif
+
 /* ---- bf16 keys on AVX512-BF16: vdpbf16ps adds 16 lanes' pairs of bf16 products into fp32, 32
  * products an instruction against the fp32 tiles' 8. Lanes are keys again: transpose16 moves
  * each key's dims (2p, 2p + 1), one dword, into lane j of vector p, and each (row, head)
@@ -419,6 +565,23 @@ static int vnni_here(void) {
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
 int dsa_select_q8_vnni(int D) { return D % 4 == 0 && vnni_here(); }
+/* The AMX path for int8 keys: built with it, the CPU has AMX-INT8 and the kernel lets this
+ * process use the tiles (Linux asks: arch_prctl ARCH_REQ_XCOMP_PERM, once), the VNNI path's
+ * conditions, D <= 128, H <= 64, and no test turns it off (dsa_select_no_amx). */
+static int no_amx = 0;
+void dsa_select_no_amx(int on) { no_amx = on; }
+static int amx_granted(void) {
+    static int granted = -1;
+    if (granted < 0)
+        granted = HAVE_AMX && __builtin_cpu_supports("amx-int8") &&
+                  __builtin_cpu_supports("amx-tile") &&
+                  syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                          18 /* XFEATURE_XTILEDATA */) == 0;
+    return granted;
+}
+int dsa_select_q8_amx(int D, int H) {
+    return !no_amx && dsa_select_q8_vnni(D) && D <= 128 && H <= 64 && amx_granted();
+}
 /* The AVX512-BF16 path for bf16 keys: the CPU has it (and VNNI, for the transpose's target), D is
  * even and no test forces the portable path. */
 int dsa_select_bf16dot(int D) {
@@ -485,7 +648,8 @@ static int scan(const float *q, const float *w, int n, int H, int D,
     const int64_t kb = key_bytes(kind, D);
     int64_t nblk = (L + bs - 1) / bs;
     /* int8 keys on VNNI: the queries' bytes as dwords, and 128 x their sums (the u8 bias) */
-    const int vnni = kind == KEYS_Q8 && dsa_select_q8_vnni(D);
+    const int amx = kind == KEYS_Q8 && dsa_select_q8_amx(D, H);
+    const int vnni = !amx && kind == KEYS_Q8 && dsa_select_q8_vnni(D);
     int8_t *q8 = NULL;
     int32_t *qcorr = NULL;
     float *c = NULL; /* int8 keys: c = w * qs, the scales folded into the head weights */
@@ -513,6 +677,29 @@ static int scan(const float *q, const float *w, int n, int H, int D,
                 q2[i] = (uint32_t)f32_to_bf16(q[2 * i]) | (uint32_t)f32_to_bf16(q[2 * i + 1]) << 16;
         }
     }
+    /* int8 keys on AMX: each row's queries as B tiles (NT head tiles x 2 K chunks of 1 KiB,
+     * head h's dword g at row g, column h % 16; zero past H and D) and c by head tile */
+    const int NT = (H + 15) / 16;
+    int8_t *qb = NULL;
+    float *cv = NULL;
+    tilecfg cfg;
+    if (amx) {
+        qb = calloc((size_t)n * NT * 2048, 1);
+        cv = calloc((size_t)n * NT * 16, sizeof(float));
+        if (!qb || !cv) {
+            free(qb), free(cv), free(c), free(qv), free(q2);
+            return -2;
+        }
+        for (int r = 0; r < n; r++)
+            for (int h = 0; h < H; h++) {
+                const int64_t rh = (int64_t)r * H + h;
+                int8_t *b = qb + ((int64_t)r * NT + h / 16) * 2048 + 4 * (h % 16);
+                for (int d = 0; d < D; d++)
+                    b[(d / 64) * 1024 + (d % 64) / 4 * 64 + d % 4] = (int8_t)q[rh * D + d];
+                cv[((int64_t)r * NT + h / 16) * 16 + h % 16] = c[rh];
+            }
+        amx_config(&cfg, D, H);
+    }
     if (vnni) {
         q8 = malloc((size_t)n * H * D + 1);
         qcorr = malloc(sizeof(int32_t) * ((size_t)n * H + 1));
@@ -530,6 +717,9 @@ static int scan(const float *q, const float *w, int n, int H, int D,
     {
         float kbT[64 * 256] __attribute__((aligned(32))); /* D <= 256, 64 keys at a time */
         float ks[64] __attribute__((aligned(32)));        /* int8 keys: their scales */
+#if HAVE_AMX
+        if (amx) amx_begin(&cfg);
+#endif
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nblk; b++) {
             for (int64_t j0 = b * bs; j0 < (b + 1) * bs && j0 < L; j0 += 64) {
@@ -546,6 +736,13 @@ static int scan(const float *q, const float *w, int n, int H, int D,
                     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p0 + o, 0, 3);
                 }
                 float *mx = bmax ? bmax + j0 / 64 : NULL;
+#if HAVE_AMX
+                if (amx) {
+                    score_block_amx(qb, cv, n, H, NT, D, (const uint8_t *)store + row0 * kb, m,
+                                    scores + j0, L, mx, ldm);
+                    continue;
+                }
+#endif
                 if (q2) {
                     score_block_bf16(q2, w, n, H, D, (const uint8_t *)store + row0 * kb, m,
                                      scores + j0, L, mx, ldm);
@@ -562,8 +759,11 @@ static int scan(const float *q, const float *w, int n, int H, int D,
                             L, mx, ldm);
             }
         }
+#if HAVE_AMX
+        if (amx) amx_end();
+#endif
     }
-    free(q8), free(qcorr), free(c), free(qv), free(q2);
+    free(q8), free(qcorr), free(c), free(qv), free(q2), free(qb), free(cv);
     return 0;
 }
 

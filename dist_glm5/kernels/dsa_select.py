@@ -41,6 +41,10 @@ def _signatures(lib: ctypes.CDLL) -> None:
     lib.dsa_select_portable.restype = None
     lib.dsa_select_q8_vnni.argtypes = [i]
     lib.dsa_select_q8_vnni.restype = i
+    lib.dsa_select_q8_amx.argtypes = [i, i]
+    lib.dsa_select_q8_amx.restype = i
+    lib.dsa_select_no_amx.argtypes = [i]
+    lib.dsa_select_no_amx.restype = None
     lib.dsa_select_bf16dot.argtypes = [i]
     lib.dsa_select_bf16dot.restype = i
     lib.dsa_select_quantise.argtypes = [p, i64, i, p, p]
@@ -102,9 +106,19 @@ def force_portable(on: bool) -> None:
     _kernel.get().dsa_select_portable(int(on))
 
 
+def force_no_amx(on: bool) -> None:
+    """Score int8 keys with AVX-512 VNNI even where AMX is (tests compare the paths)."""
+    _kernel.get().dsa_select_no_amx(int(on))
+
+
 def uses_vnni(head_dim: int) -> bool:
-    """Whether int8 keys of this width are scored with AVX-512 VNNI here."""
+    """Whether int8 keys of this width are scored with AVX-512 VNNI (or AMX) here."""
     return bool(_kernel.get().dsa_select_q8_vnni(head_dim))
+
+
+def uses_amx(head_dim: int, heads: int = 16) -> bool:
+    """Whether int8 keys of this width, with this many indexer heads, are scored with AMX here."""
+    return bool(_kernel.get().dsa_select_q8_amx(head_dim, heads))
 
 
 def uses_bf16dot(head_dim: int) -> bool:
