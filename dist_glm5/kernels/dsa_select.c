@@ -354,7 +354,7 @@ VNNI static void score_block_vnni(const int32_t *q4, const int32_t *qcorr, const
  * another order (pairs 8 apart first), as the bf16 path's dots differ from the portable one's:
  * the tests compare the selections with the torch form's. D <= 128 (two K chunks) and H <= 64
  * (four tiles of 16 heads); other shapes take the VNNI path. */
-#if defined(__GNUC__) && __GNUC__ >= 11 && defined(__x86_64__)
+#if defined(__GNUC__) && __GNUC__ >= 12 && defined(__x86_64__)
 #define HAVE_AMX 1
 #define AMX_T __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
 #else
@@ -572,11 +572,14 @@ static int no_amx = 0;
 void dsa_select_no_amx(int on) { no_amx = on; }
 static int amx_granted(void) {
     static int granted = -1;
+#if HAVE_AMX
     if (granted < 0)
-        granted = HAVE_AMX && __builtin_cpu_supports("amx-int8") &&
-                  __builtin_cpu_supports("amx-tile") &&
+        granted = __builtin_cpu_supports("amx-int8") && __builtin_cpu_supports("amx-tile") &&
                   syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                           18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    granted = 0;
+#endif
     return granted;
 }
 int dsa_select_q8_amx(int D, int H) {
