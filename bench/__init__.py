@@ -13,6 +13,7 @@ def register(p: argparse.ArgumentParser) -> None:
         encoder,
         engine_host,
         generate_vs_hf,
+        index_scan,
         kernels,
         linear,
         link_faults,
@@ -60,6 +61,11 @@ def register(p: argparse.ArgumentParser) -> None:
     )
     mla_decode.register(
         sub.add_parser("mla-decode", help="a layer's sparse MLA decode: C kernel vs its torch form")
+    )
+    index_scan.register(
+        sub.add_parser(
+            "index-scan", help="the indexer's int8 selection: AMX vs VNNI vs portable, side by side"
+        )
     )
     longctx.register(
         sub.add_parser(

@@ -325,3 +325,24 @@ def test_vnni_rate_where_the_vnni_path_runs():
         assert K.vnni_rate() == 0.0
     finally:
         K.force_portable(False)
+
+
+def test_bench_index_scan_times_every_path_this_cpu_has(tmp_path):
+    """`bench index-scan` runs each int8 path this CPU has on the same keys (AMX and VNNI where
+    they are, portable always), at every shape, and writes one row per path."""
+    import argparse
+    import json
+
+    from dist_glm5.bench import index_scan
+
+    p = argparse.ArgumentParser()
+    index_scan.register(p)
+    out = tmp_path / "scan.json"
+    args = p.parse_args(["--contexts", "300", "--threads", "1", "--repeats", "1"])
+    args.output = str(out)
+    assert args.func(args) == 0
+    rows = json.loads(out.read_text())
+    for name, (H, D, _) in index_scan.SHAPES.items():
+        got = {r["path"] for r in rows if r["shape"] == name}
+        assert got == set(index_scan.paths(D, H)) and "portable" in got
+        assert ("amx" in got) == K.uses_amx(D, H) and ("vnni" in got) == K.uses_vnni(D)
