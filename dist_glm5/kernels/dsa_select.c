@@ -794,22 +794,23 @@ static float kth_largest(float *a, int64_t m, int64_t k) {
     return a[lo];
 }
 
-/* Block maxima of s[0..m) over blocks of B keys (the last may be short) -> mx[0..nb). */
-CLONES static void block_max(const float *s, int64_t m, int64_t B, float *mx) {
-    for (int64_t b = 0, i = 0; b < m; b += B, i++) {
-        const int64_t e = b + B < m ? b + B : m;
-        float v = s[b];
-        for (int64_t j = b + 1; j < e; j++) v = s[j] > v ? s[j] : v;
-        mx[i] = v;
-    }
+/* A float's bits as an unsigned key in the floats' order (negative ones flipped whole, positive
+ * ones with the sign bit set; -0 just below +0, which compare equal: the selection's tie rule
+ * compares the floats themselves). */
+#define RADIX_BITS 11
+static inline uint32_t order_key(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u ^ (u >> 31 ? 0xFFFFFFFFu : 0x80000000u);
 }
 
 /* One row's top-k of its first m scores (m > k) into pos (ascending), with the reference's tie
  * rule. The k-th largest block maximum is a lower bound t0 of the k-th largest score (k blocks
  * each hold a score >= it), so every kept key lies in a block whose maximum is >= t0: with the
  * scan's 64-key maxima (bmax, not NULL) only those blocks (about k of them) are read; without,
- * one pass finds the maxima of blocks of m / k keys and a second the keys >= t0. The exact k-th
- * value and the kept keys then come from those few candidates.
+ * one pass counts the scores by the top bits of their order_key and a second takes those in the
+ * k-th largest's bin and above. The exact k-th value and the kept keys then come from those few
+ * candidates.
  * vals/idx: scratch of m entries. Returns the count (k). */
 static int64_t select_row(const float *s, int64_t m, int64_t k, const float *bmax, float *vals,
                           int64_t *idx, int64_t *pos) {
@@ -831,13 +832,18 @@ static int64_t select_row(const float *s, int64_t m, int64_t k, const float *bma
                 if (s[j] >= t0) idx[c++] = j;
         }
     } else {
-        const int64_t B = m / k < 64 ? m / k : 64; /* >= 1 since m > k; at least k blocks */
-        const int64_t nb = (m + B - 1) / B;
-        block_max(s, m, B, vals);
-        const float t0 = kth_largest(vals, nb, k);
-        for (int64_t j = 0; j < m; j++) {
-            if (s[j] >= t0) idx[c++] = j;
-        }
+        /* the top RADIX_BITS of each score's order-preserving key: a count per bin finds the bin
+         * holding the k-th largest, and the candidates are the scores in it and above (k plus
+         * that bin's share). Block maxima of m / k keys bounded it far less tightly here: at
+         * 4K keys and k = 256 a third of the keys were candidates (35 us a row) */
+        uint32_t hist[1 << RADIX_BITS];
+        memset(hist, 0, sizeof hist);
+        for (int64_t j = 0; j < m; j++) hist[order_key(s[j]) >> (32 - RADIX_BITS)]++;
+        int64_t above = 0;
+        uint32_t b = (1u << RADIX_BITS) - 1;
+        while (b > 0 && above + hist[b] < k) above += hist[b--];
+        for (int64_t j = 0; j < m; j++)
+            if (order_key(s[j]) >> (32 - RADIX_BITS) >= b) idx[c++] = j;
     }
     for (int64_t i = 0; i < c; i++) vals[i] = s[idx[i]];
     const float t = kth_largest(vals, c, k);
