@@ -21,7 +21,7 @@ from dist_glm5.ops.key_slots import RowsKeys
 from dist_glm5.quant import index_q8
 
 SHAPES = {  # name: (indexer heads, head dim, top-k)
-    "embedded": (16, 32, 256),
+    "embedded": (16, 32, 64),
     "small": (8, 64, 256),
     "glm5": (32, 128, 2048),
 }
