@@ -117,7 +117,9 @@ def uses_vnni(head_dim: int) -> bool:
 
 
 def uses_amx(head_dim: int, heads: int = 16) -> bool:
-    """Whether int8 keys of this width, with this many indexer heads, are scored with AMX here."""
+    """Whether int8 keys of this width, with this many indexer heads, are scored with AMX here
+    (decode rows: more than 8 rows of over 8 heads of under 64 bytes take VNNI, kernels/
+    dsa_select.c's scan says why)."""
     return bool(_kernel.get().dsa_select_q8_amx(head_dim, heads))
 
 
