@@ -121,6 +121,13 @@ def register(p: argparse.ArgumentParser) -> None:
         "alone, from the base phase on (0: the committed recipe)",
     )
     p.add_argument(
+        "--copy-direct-on",
+        choices=["all", "docs"],
+        default="all",
+        help="the rows --copy-direct's share applies to: all, or the documents' only (not chat "
+        "rows: m2, share 1 on all rows, repeated a JSON object's keys; m3, 0.3, lost needles)",
+    )
+    p.add_argument(
         "--export-only",
         action="store_true",
         help="export the run's last saved step to --export and stop (gate a run as it goes)",
@@ -162,5 +169,6 @@ def run(args: argparse.Namespace) -> int:
         kv_lora_rank=args.kv_lora_rank,
         match_head=args.match_head,
         copy_direct=args.copy_direct,
+        copy_direct_on=args.copy_direct_on,
     )
     return 0

@@ -745,3 +745,9 @@ def test_direct_copy_loss_is_the_induction_heads_share_of_the_models_logits():
     assert torch.allclose(mixed, 0.3 * oracle + 0.7 * normalised, atol=1e-5)
     with pytest.raises(ValueError, match="share of the copy loss"):
         td.Trainer(cfg, seed=0, copy_direct=1.5)
+    # on some rows only: those rows direct (the share), the others normalised, one mean
+    two = torch.cat([ids, ids])
+    both = torch.cat([induction, induction])
+    part.losses(two)
+    rows = part.attention_supervision(two, both, torch.tensor([True, False]))["copy"]
+    assert torch.allclose(rows, (0.3 * oracle + 0.7 * normalised + normalised) / 2, atol=1e-5)

@@ -609,13 +609,14 @@ class Trainer:
         return hook
 
     def attention_supervision(
-        self, ids: torch.Tensor, induction: torch.Tensor
+        self, ids: torch.Tensor, induction: torch.Tensor, direct_rows: torch.Tensor | None = None
     ) -> dict[str, torch.Tensor]:
         """Losses that skip the induction plateau an hour of one core cannot cross (the seed run
         never learned to copy): -log attention of head h of OFFSET_LAYER on the byte OFFSETS[h]
         back, plus a read-out of that byte from the head's output; -log attention of head 0 of
         INDUCTION_LAYER on induction[b, t] (the key holding the byte to predict; rows of repeats
-        only, -1 elsewhere)."""
+        only, -1 elsewhere). direct_rows [B] bool: the rows whose copy loss takes copy_direct's
+        share (default: every row)."""
         w = self.heads[OFFSET_LAYER]
         B, S = ids.shape
         v = self.values[OFFSET_LAYER].view(B, S, -1, self.cfg.v_head_dim)
@@ -649,7 +650,8 @@ class Trainer:
             w_o = att.o_proj.weight[:, : v0.shape[-1]]
             norm = self.model.model.norm
             r = self.resid[want] if self.copy_direct else None  # before norm() below replaces it
-            copy = F.cross_entropy(self.model.lm_head(norm(F.linear(v0, w_o))), nxt[want])
+            lo = self.model.lm_head(norm(F.linear(v0, w_o)))
+            copy = F.cross_entropy(lo, nxt[want], reduction="none")
             if self.copy_direct:
                 # what head 0 adds to the model's logits (the final norm is linear in its input
                 # at a fixed scale, so the logits are the sum of each part's): its output at the
@@ -661,10 +663,13 @@ class Trainer:
                 # needle and repeated a JSON object's keys
                 scale = torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
                 lo = self.model.lm_head(norm.weight * F.linear(v0, w_o) * scale.detach())
-                share = self.copy_direct
-                copy = share * F.cross_entropy(lo, nxt[want]) + (1 - share) * copy
+                share = torch.full_like(copy, self.copy_direct)
+                if direct_rows is not None:  # the other rows keep the normalised form alone
+                    share = share * direct_rows[:, None].expand_as(want)[want]
+                direct = F.cross_entropy(lo, nxt[want], reduction="none")
+                copy = share * direct + (1 - share) * copy
             out["ind"] = ind[want].mean()
-            out["copy"] = copy
+            out["copy"] = copy.mean()
             # the whole model on those rows, weighted up: head 0's byte is a small part of the
             # final residual, and the LM alone took hundreds of steps to start using it
             out["lm_copy"] = F.cross_entropy(self.logits[want], nxt[want])
@@ -1226,6 +1231,7 @@ def train(
     kv_lora_rank: int = TRAIN_CONFIG["kv_lora_rank"],
     match_head: bool = False,
     copy_direct: float = 0.0,
+    copy_direct_on: str = "all",
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1241,7 +1247,11 @@ def train(
     the committed recipe); kv_lora_rank: the width of MLA's compressed KV (64: the committed
     recipe); match_head: supervise MATCH_HEAD (off: the committed recipe); copy_direct: the share
     of the copy loss on the induction head's share of the logits, from the base phase on
-    (Trainer; 0: the committed recipe; a loss, not a shape, so a resume does not check it)."""
+    (Trainer; 0: the committed recipe; a loss, not a shape, so a resume does not check it), on
+    every row ("all") or on the documents' rows only ("docs": not chat rows, which are the rows
+    holding an assistant's id)."""
+    if copy_direct_on not in ("all", "docs"):
+        raise ValueError(f"copy_direct_on is 'all' or 'docs', not {copy_direct_on!r}")
     from tqdm import tqdm
 
     plan = phases(base_extra, unloop_steps, unloop_at)
@@ -1293,7 +1303,8 @@ def train(
         elif draft_only:  # the draft's: next-next byte and the main model's distribution there
             loss = ls["mtp"] + MTP_DISTILL * ls["mtp_kl"]
         else:
-            ls.update(tr.attention_supervision(ids, induction))
+            docs = ~reply.any(1) if copy_direct_on == "docs" else None
+            ls.update(tr.attention_supervision(ids, induction, docs))
             ls.update(tr.structure_losses(ids))
             ls["reply"] = tr.reply_loss(ids, reply)
             mtp = ls["mtp"] + MTP_DISTILL * ls["mtp_kl"]
