@@ -148,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"--copy-direct is a share of the copy loss, 0 to 1; got {args.copy_direct}"
         )
+    if args.copy_direct_on != "all" and not args.copy_direct:
+        raise SystemExit(
+            "--copy-direct-on docs chooses the rows of --copy-direct's share: give both"
+        )
     train(
         Path(args.out),
         steps=args.steps,
