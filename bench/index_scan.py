@@ -56,14 +56,9 @@ def paths(D: int, H: int) -> list[str]:
 
 
 def timed(path: str, fn, repeats: int) -> tuple[float, torch.Tensor]:
-    dsa_select.force_portable(path == "portable")
-    dsa_select.force_no_amx(path != "amx")
-    try:
+    with dsa_select.int8_path(path):
         slots = fn()[0]  # warm, and what this path selects
         return best(fn, repeats), slots
-    finally:
-        dsa_select.force_portable(False)
-        dsa_select.force_no_amx(False)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -54,11 +54,8 @@ def q8_path(request):
         pytest.skip("this CPU has no AMX-INT8 (or the kernel may not use it)")
     if request.param == "vnni" and not K.uses_vnni(64):
         pytest.skip("this CPU has no AVX-512 VNNI: the portable path is the one it runs")
-    K.force_portable(request.param == "portable")
-    K.force_no_amx(request.param != "amx")
-    yield request.param
-    K.force_portable(False)
-    K.force_no_amx(False)
+    with K.int8_path(request.param):
+        yield request.param
 
 
 bf16_path = _kernel_path("bf16dot", K.uses_bf16dot)  # bf16 keys, bf16 queries: AVX512-BF16

@@ -12,6 +12,7 @@ callers then take the torch path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
@@ -109,6 +110,19 @@ def force_portable(on: bool) -> None:
 def force_no_amx(on: bool) -> None:
     """Score int8 keys with AVX-512 VNNI even where AMX is (tests compare the paths)."""
     _kernel.get().dsa_select_no_amx(int(on))
+
+
+@contextlib.contextmanager
+def int8_path(path: str):
+    """Within it, int8 keys take `path` ("amx", "vnni" or "portable") where this CPU has it (the
+    tests and `bench index-scan` run the paths on the same keys); the default choice after."""
+    force_portable(path == "portable")
+    force_no_amx(path != "amx")
+    try:
+        yield
+    finally:
+        force_portable(False)
+        force_no_amx(False)
 
 
 def uses_vnni(head_dim: int) -> bool:
