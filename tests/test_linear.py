@@ -99,16 +99,21 @@ def test_few_row_kernel_is_the_exact_sum_rounded_once():
 
 
 _BOTH_TILES = r"""
+import os
 import torch
 from dist_glm5.kernels import bf16_gemv
 g = torch.Generator().manual_seed(5)
-for m, N, K in ((1, 80, 96), (3, 7, 45), (6, 33, 200), (10, 12, 64), (32, 64, 1024)):
+for m, N, K in ((1, 80, 96), (3, 7, 45), (6, 33, 200), (10, 12, 64), (32, 64, 1024),
+                (17, 21, 128), (31, 40, 64)):
     x = torch.randn(m, K, generator=g).bfloat16()
     w = torch.randn(N, K, generator=g).bfloat16()
     got = bf16_gemv.linear(x, w)
     exact = x.double() @ w.double().T
     bound = exact.abs() * 2**-8 * 1.01 + K * 2**-23 * (x.double().abs() @ w.double().abs().T)
     assert ((got.double() - exact).abs() <= bound).all(), (m, N, K)
+    flags = open("/proc/cpuinfo").read().split()
+    amx = "amx_bf16" in flags and "avx512_bf16" in flags and os.environ["DIST_GLM5_GEMV_AMX"] != "0"
+    assert bf16_gemv.uses_amx(K) == (amx and K % 32 == 0 and os.environ["DIST_GLM5_GEMV_FP32"] != "1")
     # a row's bits do not depend on the rows beside it (whichever tile shape took it)
     for i in range(m):
         assert torch.equal(bf16_gemv.linear(x[i : i + 1], w), got[i : i + 1]), (m, i)
@@ -116,16 +121,18 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("fp32_tiles", ["1", "0"])
-def test_both_tile_paths_are_the_exact_sum_rounded_once(fp32_tiles):
-    """The fp32 tiles (DIST_GLM5_GEMV_FP32=1) and, where the CPU has AVX512-BF16, the vdpbf16ps
-    ones (the default there; elsewhere "0" runs the fp32 tiles again), each in a fresh process:
-    within the float64 bound above, and a row's bits the same alone as among 32."""
+@pytest.mark.parametrize("fp32_tiles,amx", [("1", "0"), ("0", "0"), ("0", "1")])
+def test_every_tile_path_is_the_exact_sum_rounded_once(fp32_tiles, amx):
+    """The fp32 tiles (DIST_GLM5_GEMV_FP32=1), where the CPU has AVX512-BF16 the vdpbf16ps ones
+    (DIST_GLM5_GEMV_AMX=0), and where it has AMX-BF16 too the AMX tiles (the default there; on
+    other CPUs a case runs the best path it has again), each in a fresh process: within the
+    float64 bound above, and a row's bits the same alone as among 32 (K = 64 and 1024 take the
+    AMX tiles, the other shapes their K % 32 fallback)."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "DIST_GLM5_GEMV_FP32": fp32_tiles}
+    env = {**os.environ, "DIST_GLM5_GEMV_FP32": fp32_tiles, "DIST_GLM5_GEMV_AMX": amx}
     r = subprocess.run([sys.executable, "-c", _BOTH_TILES], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 

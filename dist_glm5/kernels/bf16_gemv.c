@@ -12,7 +12,8 @@
  * Tiles of 8-lane accumulators (8 of 16 AVX2 registers): 4 weight rows x 2 x rows for one or two
  * rows (four weight streams in flight from DRAM), 2 x 4 for more; weight rows split over threads. target_clones: GCC picks AVX-512 / AVX2+FMA / baseline at load time.
  * On CPUs with AVX512-BF16 the dense products take gemv_tiles.h's vdpbf16ps tiles instead (same
- * tile shapes; DIST_GLM5_GEMV_FP32=1 keeps the fp32 ones), the experts below too.
+ * tile shapes; DIST_GLM5_GEMV_FP32=1 keeps the fp32 ones), and on CPUs with AMX-BF16 its AMX
+ * tiles (DIST_GLM5_GEMV_AMX=0 keeps the vdpbf16ps ones); the experts below too.
  */
 #include <math.h>
 #include <stdint.h>
@@ -32,6 +33,9 @@ CLONES int bf16_gemv(const uint16_t *x, int m, int K, const uint16_t *w, int N, 
                      uint16_t *y, int nthreads) {
     return products(x, m, K, 1, &w, &N, &b, &y, nthreads);
 }
+
+/* Whether products of K inputs take the AMX tiles here (tests, benches). */
+int bf16_gemv_amx(int K) { return amx16(K); }
 
 /* ----- Routed experts with bf16 weights, for a few tokens: what ops/experts.experts_reference
  * does with torch's bf16 ops, every rounding where torch rounds (gate and up products, silu, their
@@ -74,6 +78,7 @@ CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int
                         const float *tw, int e_min, int E, const uint16_t *w13, const uint16_t *w2,
                         uint16_t *out, int nthreads) {
     const int R = T * k, bd = bf16dot(); /* bd: the AVX512-BF16 tiles, on bf16 x and act */
+    const int amx = bd && amx16(H) && amx16(I); /* the AMX tiles, on x and act packed (xT, aT) */
     int *tok = malloc(sizeof(int) * (R + 1)), *slot = malloc(sizeof(int) * (R + 1));
     int *first = malloc(sizeof(int) * (E + 1)), *fill = malloc(sizeof(int) * (E + 1));
     int *touched = malloc(sizeof(int) * (E + 1));
@@ -83,10 +88,12 @@ CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int
     uint16_t *x16 = bd ? malloc(sizeof(uint16_t) * ((size_t)R * H + 1)) : NULL,
              *a16 = bd ? malloc(sizeof(uint16_t) * ((size_t)R * I + 1)) : NULL,
              *g16 = malloc(sizeof(uint16_t) * ((size_t)R * 2 * I + 1)),
-             *y16 = malloc(sizeof(uint16_t) * ((size_t)R * H + 1));
+             *y16 = malloc(sizeof(uint16_t) * ((size_t)R * H + 1)),
+             *xT = amx ? malloc(sizeof(uint16_t) * ((size_t)R * H + 1)) : NULL,
+             *aT = amx ? malloc(sizeof(uint16_t) * ((size_t)R * I + 1)) : NULL;
     int rc = -1;
     if (!tok || !slot || !first || !fill || !touched || !acc || !g16 || !y16 ||
-        (bd ? !x16 || !a16 : !xf || !act))
+        (bd ? !x16 || !a16 : !xf || !act) || (amx && (!xT || !aT)))
         goto done;
     /* routes grouped by local expert, ascending (counting sort: tokens keep their order) */
     memset(first, 0, sizeof(int) * (E + 1));
@@ -107,10 +114,13 @@ CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int
             slot[fill[e]++] = r % k;
         }
     }
-    const int q13 = (2 * I + 3) / 4, q2 = (H + 3) / 4;
+    /* work items: weight quads, or 16-row units on AMX */
+    const int unit = amx ? 16 : 4, q13 = (2 * I + unit - 1) / unit, q2 = (H + unit - 1) / unit;
     for (int64_t i = 0; i < (int64_t)T * H; i++) acc[i] = 0.0f; /* torch.zeros_like(x) */
     int nt = nthreads > 1 ? nthreads : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+    int cfg = -1; /* this thread's AMX tile configuration (amx_rows) */
     for (int g0 = 0; g0 < nt_e; g0 += GROUP) { /* the same on every thread */
         const int ng = nt_e - g0 < GROUP ? nt_e - g0 : GROUP, *te = touched + g0;
         const int base = first[te[0]], Rl = first[te[ng - 1] + 1] - base; /* the group's routes */
@@ -123,11 +133,24 @@ CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int
             else
                 for (int h = 0; h < H; h++) xf[(int64_t)j * H + h] = bf16_to_f32(xr[h]);
         }
+        if (amx) { /* each expert's rows of x, packed for the B tiles */
+#pragma omp for schedule(static)
+            for (int q = 0; q < ng; q++) {
+                const int a = first[te[q]] - base, n = first[te[q] + 1] - first[te[q]];
+                amx_pack(x16 + (int64_t)a * H, n, H, xT + (int64_t)a * H);
+            }
+        }
 #pragma omp for schedule(static)
         for (int it = 0; it < ng * q13; it++) { /* gate and up: g16 [route, 2I] */
             const int e = te[it / q13], a = first[e] - base, n = first[e + 1] - first[e];
-            const int n0 = 4 * (it % q13), wr = 2 * I - n0 < 4 ? 2 * I - n0 : 4;
+            const int n0 = unit * (it % q13), wr = 2 * I - n0 < unit ? 2 * I - n0 : unit;
             const uint16_t *we = w13 + (int64_t)e * 2 * I * H;
+#if GEMV_AMX
+            if (amx)
+                amx_rows(xT + (int64_t)a * H, n, H, we, n0, wr, NULL, g16 + (int64_t)a * 2 * I, 2 * I,
+                         &cfg);
+            else
+#endif
             if (bd)
                 quad16(x16 + (int64_t)a * H, n, H, we, n0, wr, g16 + (int64_t)a * 2 * I, 2 * I);
             else
@@ -137,11 +160,23 @@ CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int
         for (int j = 0; j < Rl; j++) /* act = silu(gate) * up, rounded as torch rounds */
             silu_mul_bf16(g16 + (int64_t)j * 2 * I, I, bd ? a16 + (int64_t)j * I : NULL,
                           act + (int64_t)j * I);
+        if (amx) {
+#pragma omp for schedule(static)
+            for (int q = 0; q < ng; q++) {
+                const int a = first[te[q]] - base, n = first[te[q] + 1] - first[te[q]];
+                amx_pack(a16 + (int64_t)a * I, n, I, aT + (int64_t)a * I);
+            }
+        }
 #pragma omp for schedule(static)
         for (int it = 0; it < ng * q2; it++) { /* down: y16 [route, H] */
             const int e = te[it / q2], a = first[e] - base, n = first[e + 1] - first[e];
-            const int n0 = 4 * (it % q2), wr = H - n0 < 4 ? H - n0 : 4;
+            const int n0 = unit * (it % q2), wr = H - n0 < unit ? H - n0 : unit;
             const uint16_t *wd = w2 + (int64_t)e * H * I;
+#if GEMV_AMX
+            if (amx)
+                amx_rows(aT + (int64_t)a * I, n, I, wd, n0, wr, NULL, y16 + (int64_t)a * H, H, &cfg);
+            else
+#endif
             if (bd)
                 quad16(a16 + (int64_t)a * I, n, I, wd, n0, wr, y16 + (int64_t)a * H, H);
             else
@@ -158,10 +193,15 @@ CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int
                 for (int h = h0; h < H && h < h0 + 64; h++) o[h] = rnd(o[h] + rnd(bf16_to_f32(y[h]) * wt));
             }
     }
+#if GEMV_AMX
+    if (cfg >= 0) amx_end(cfg); /* only where the tiles ran: its ISA is AMX's */
+#endif
+    (void)cfg;
+    }
     for (int64_t i = 0; i < (int64_t)T * H; i++) out[i] = f32_to_bf16(acc[i]);
     rc = 0;
 done:
     free(tok), free(slot), free(first), free(fill), free(touched), free(xf), free(act), free(acc);
-    free(x16), free(a16), free(g16), free(y16);
+    free(x16), free(a16), free(g16), free(y16), free(xT), free(aT);
     return rc;
 }

@@ -29,11 +29,20 @@ def _signatures(lib: ctypes.CDLL) -> None:
     lib.bf16_gemv.restype = i
     lib.bf16_experts.argtypes = [p, i, i, i, i, p, p, i, i, p, p, p, i]
     lib.bf16_experts.restype = i
+    lib.bf16_gemv_amx.argtypes = [i]
+    lib.bf16_gemv_amx.restype = i
 
 
 _kernel = Lazy(SOURCE, _signatures)
 
 available = _kernel.available
+
+
+def uses_amx(K: int) -> bool:
+    """Whether products of K inputs take the AMX-BF16 tiles here (the CPU has them, Linux grants
+    them, K % 32 == 0 and DIST_GLM5_GEMV_AMX is not 0)."""
+    lib = _kernel.get()
+    return lib is not None and bool(lib.bf16_gemv_amx(K))
 
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:

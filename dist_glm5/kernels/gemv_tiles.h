@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "common.h"
 
@@ -215,6 +217,149 @@ static int bf16dot(void) {
     return on;
 }
 
+/* ---- The same products on AMX-BF16 (Intel Xeon from Sapphire Rapids on): tdpbf16ps multiplies
+ * a tile of up to 16 weight rows x 32 inputs (A, loaded straight from w at its row stride: no
+ * repacking of the weights) by those 32 inputs x up to 16 x rows (B: x's dword pairs
+ * transposed, packed once a call by amx_pack) into 16 x 16 fp32 sums (C). 512 products an
+ * instruction where vdpbf16ps does 32: at 32 rows the vdpbf16ps tiles read a weight at 20% of
+ * the read rate on such a CPU (bench linear), these at about the read rate at any row count.
+ * Products are exact in fp32 as in the other tiles; C[r][t] is summed pair by pair, block after
+ * block, in an order fixed by K alone, so a row's bits depend neither on the rows beside it nor
+ * on the thread (the tests check both). Subnormals flush, as with vdpbf16ps. K % 32 == 0 only
+ * (every model's shapes); other products keep the vdpbf16ps tiles. */
+#if defined(__GNUC__) && __GNUC__ >= 12 && defined(__x86_64__)
+#define GEMV_AMX 1
+#define AMXBF16 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+#else
+#define GEMV_AMX 0
+#endif
+
+typedef struct { /* ldtilecfg's 64 bytes, palette 1 */
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} gemv_tilecfg;
+
+/* x [m, K] -> xT: for each 16 x rows c (the last chunk mt = m - c rows), at xT + c * K, per
+ * block of 32 inputs a 16 x mt array of dwords: row i holds inputs 2i, 2i + 1 of each x row (B's
+ * layout). xT has x's size, and rows [a, a + n) of x pack into xT + a * K. */
+static __attribute__((unused)) void amx_pack(const uint16_t *x, int m, int K, uint16_t *xT) {
+    for (int c = 0; c < m; c += 16) {
+        const int mt = m - c < 16 ? m - c : 16;
+        uint32_t *d = (uint32_t *)(xT + (int64_t)c * K);
+        for (int t = 0; t < mt; t++) {
+            const uint32_t *src = (const uint32_t *)(x + (int64_t)(c + t) * K);
+            for (int kb = 0; kb < K / 32; kb++)
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; i++) d[(int64_t)kb * 16 * mt + i * mt + t] = src[kb * 16 + i];
+        }
+    }
+}
+
+#if GEMV_AMX
+/* Weight rows [n0, n0 + ar) (ar <= 16) of w [N, K] against the m packed x rows xT: y [m, N]
+ * (+ b), 32 x rows a pass (two C tiles sharing each A tile). The tile state is the thread's and
+ * anyone's (oneDNN's AMX GEMMs run on these threads too), so a caller's parallel region starts
+ * with *cfg = -1 and ends with amx_end() when it is not: the configuration is loaded only when
+ * the shapes change (a load and a release per call cost 1.2 ms of a 13 ms batch-1 step). */
+static __attribute__((unused)) AMXBF16 void amx_end(int cfg) {
+    if (cfg >= 0) _tile_release();
+}
+
+static __attribute__((unused)) AMXBF16 void amx_rows(const uint16_t *xT, int m, int K,
+                                                     const uint16_t *w, int n0, int ar,
+                                                     const uint16_t *b, uint16_t *y, int N,
+                                                     int *cfg_key) {
+    float c[2][16 * 16];
+    const uint16_t *wa = w + (int64_t)n0 * K;
+    for (int t0 = 0; t0 < m; t0 += 32) {
+        const int m0 = m - t0 < 16 ? m - t0 : 16;
+        const int m1 = m - t0 - 16 <= 0 ? 0 : (m - t0 - 16 < 16 ? m - t0 - 16 : 16);
+        const int key = ar | m0 << 5 | m1 << 10;
+        if (key != *cfg_key) {
+            gemv_tilecfg cfg;
+            memset(&cfg, 0, sizeof cfg);
+            cfg.palette = 1;
+            cfg.rows[0] = (uint8_t)ar, cfg.colsb[0] = (uint16_t)(4 * m0); /* C: rows x x rows */
+            cfg.rows[2] = (uint8_t)ar, cfg.colsb[2] = 64;                  /* A: rows x 32 inputs */
+            cfg.rows[4] = 16, cfg.colsb[4] = (uint16_t)(4 * m0);           /* B: 16 pairs x x rows */
+            if (m1) {
+                cfg.rows[1] = (uint8_t)ar, cfg.colsb[1] = (uint16_t)(4 * m1);
+                cfg.rows[5] = 16, cfg.colsb[5] = (uint16_t)(4 * m1);
+            }
+            _tile_loadconfig(&cfg);
+            *cfg_key = key;
+        }
+        _tile_zero(0);
+        if (m1) _tile_zero(1);
+        const uint16_t *b0 = xT + (int64_t)t0 * K, *b1 = xT + (int64_t)(t0 + 16) * K;
+        for (int kb = 0; kb < K / 32; kb++) {
+            /* the rows' next bytes, 512 ahead: 16 streams are more than the prefetcher follows */
+            for (int j = 0; j < ar; j++) __builtin_prefetch(wa + (int64_t)j * K + 32 * kb + 256, 0, 3);
+            _tile_loadd(2, wa + 32 * kb, 2 * K);
+            _tile_loadd(4, b0 + (int64_t)kb * 32 * m0, 4 * m0);
+            _tile_dpbf16ps(0, 2, 4);
+            if (m1) {
+                _tile_loadd(5, b1 + (int64_t)kb * 32 * m1, 4 * m1);
+                _tile_dpbf16ps(1, 2, 5);
+            }
+        }
+        _tile_stored(0, c[0], 4 * m0);
+        if (m1) _tile_stored(1, c[1], 4 * m1);
+        for (int h = 0; h < 2; h++) {
+            const int mt = h ? m1 : m0;
+            for (int t = 0; t < mt; t++)
+                for (int r = 0; r < ar; r++) {
+                    float s = c[h][r * mt + t];
+                    if (b) s += bf16_to_f32(b[n0 + r]);
+                    y[(int64_t)(t0 + 16 * h + t) * N + n0 + r] = f32_to_bf16(s);
+                }
+        }
+    }
+}
+#endif
+
+/* Whether products of K inputs take the AMX tiles: built with them, the CPU has AMX-BF16 and the
+ * vdpbf16ps tiles, Linux lets this process use the tiles (arch_prctl ARCH_REQ_XCOMP_PERM, once),
+ * K % 32 == 0, and DIST_GLM5_GEMV_AMX is not 0 (tests and benches compare the paths). */
+static __attribute__((unused)) int amx16(int K) {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("DIST_GLM5_GEMV_AMX");
+        on = 0;
+#if GEMV_AMX
+        on = bf16dot() && __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile") &&
+             !(e && *e && !strcmp(e, "0")) &&
+             syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#endif
+        (void)e;
+    }
+    return on && K % 32 == 0;
+}
+
+#if GEMV_AMX
+/* The np products' weight rows, 16 at a time over threads, on the AMX tiles (xT: amx_pack's). */
+static __attribute__((unused)) AMXBF16 void products_amx(const uint16_t *xT, int m, int K, int np,
+                                                         const uint16_t *const *w, const int *N,
+                                                         const uint16_t *const *b,
+                                                         uint16_t *const *y, int nthreads) {
+    int start[9] = {0}; /* 16-row unit offsets of each product */
+    for (int i = 0; i < np; i++) start[i + 1] = start[i] + (N[i] + 15) / 16;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int cfg = -1;
+#pragma omp for schedule(static)
+        for (int q = 0; q < start[np]; q++) {
+            int i = 0;
+            while (q >= start[i + 1]) i++;
+            const int n0 = 16 * (q - start[i]), ar = N[i] - n0 < 16 ? N[i] - n0 : 16;
+            amx_rows(xT, m, K, w[i], n0, ar, b[i], y[i], N[i], &cfg);
+        }
+        if (cfg >= 0) amx_end(cfg);
+    }
+}
+#endif
+
 /* Every weight row of np products of the same x (bf16 [m, K]) against every x row (product i:
  * weights w[i] [N[i], K], bias b[i] or NULL, output y[i]), weight rows in quads over threads,
  * all the products' quads in one parallel region: a decode step's projections of one row are a
@@ -224,10 +369,21 @@ static int bf16dot(void) {
  * A function with its own target clones, not an inlined helper: OpenMP outlines a parallel
  * region before inlining, so a region inside an always-inline helper compiled once, for the
  * baseline ISA, whatever its includer's clone (every decode product ran in SSE2 code until
- * this). Returns 0, or -1 when the fp32 copy of x cannot be allocated. */
+ * this). Returns 0, or -1 when the fp32 copy of x (the AMX tiles: its packed copy) cannot be
+ * allocated. */
 static CLONES int products(const uint16_t *x, int m, int K, int np, const uint16_t *const *w,
                            const int *N, const uint16_t *const *b, uint16_t *const *y,
                            int nthreads) {
+#if GEMV_AMX
+    if (amx16(K)) {
+        uint16_t *xT = malloc(sizeof(uint16_t) * ((size_t)m * K + 1));
+        if (!xT) return -1;
+        amx_pack(x, m, K, xT);
+        products_amx(xT, m, K, np, w, N, b, y, nthreads);
+        free(xT);
+        return 0;
+    }
+#endif
     if (bf16dot()) {
         products16(x, m, K, np, w, N, b, y, nthreads);
         return 0;
