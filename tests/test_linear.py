@@ -112,8 +112,10 @@ for m, N, K in ((1, 80, 96), (3, 7, 45), (6, 33, 200), (10, 12, 64), (32, 64, 10
     bound = exact.abs() * 2**-8 * 1.01 + K * 2**-23 * (x.double().abs() @ w.double().abs().T)
     assert ((got.double() - exact).abs() <= bound).all(), (m, N, K)
     flags = open("/proc/cpuinfo").read().split()
-    amx = "amx_bf16" in flags and "avx512_bf16" in flags and os.environ["DIST_GLM5_GEMV_AMX"] != "0"
-    assert bf16_gemv.uses_amx(K) == (amx and K % 32 == 0 and os.environ["DIST_GLM5_GEMV_FP32"] != "1")
+    amx = "amx_bf16" in flags and "avx512_bf16" in flags and K % 32 == 0
+    env = os.environ
+    amx = amx and env["DIST_GLM5_GEMV_AMX"] != "0" and env["DIST_GLM5_GEMV_FP32"] != "1"
+    assert bf16_gemv.uses_amx(K) == amx, (K, amx)
     # a row's bits do not depend on the rows beside it (whichever tile shape took it)
     for i in range(m):
         assert torch.equal(bf16_gemv.linear(x[i : i + 1], w), got[i : i + 1]), (m, i)
