@@ -63,8 +63,9 @@ def register(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--isa",
-        choices=["scalar", "avx2", "avx512", "avx512bf16"],
-        help="force the kernel's path (avx512bf16 changes only bf16 x; this bench's x is fp32)",
+        choices=["scalar", "avx2", "avx512", "avx512bf16", "amx"],
+        help="force the kernel's path (avx512bf16 and amx change only bf16 x; this bench's x is "
+        "fp32)",
     )
     p.add_argument("--budget", type=float, default=0.5, help="seconds of repeats per point")
     p.add_argument("--json", "--output", dest="json", help="write all figures here")

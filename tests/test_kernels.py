@@ -30,13 +30,14 @@ E2M1 = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
     dtype=torch.float64,
 )
-ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
+ISAS = ("scalar", "avx2", "avx512", "avx512bf16", "amx")
 # the /proc/cpuinfo flags that each path needs (mxfp4_moe.c best_isa)
 ISA_FLAGS = {
     "scalar": set(),
     "avx2": {"avx2", "fma"},
     "avx512": {"avx512f"},
     "avx512bf16": {"avx512f", "avx512bw", "avx512vbmi", "avx512_bf16"},
+    "amx": {"avx512f", "avx512bw", "avx512vbmi", "avx512_bf16", "amx_bf16", "amx_tile"},
 }
 
 
@@ -122,11 +123,12 @@ def isa(request, kernel):
     kernel.set_isa(None)
 
 
-@pytest.fixture
-def bf16_isa(kernel):
-    use_isa(kernel, "avx512bf16")
+@pytest.fixture(params=["avx512bf16", "amx"])
+def bf16_isa(request, kernel):
+    """The bf16 w13 path: vdpbf16ps, and on AMX-BF16 tiles."""
+    use_isa(kernel, request.param)
     kernel.w13_rows()  # counts from here
-    yield
+    yield request.param
     kernel.set_isa(None)
 
 
@@ -286,7 +288,7 @@ def test_gemm_threshold_by_code_path_and_vendor(kernel, monkeypatch):
     for isa in K.ISA_NAMES:
         assert K.default_gemm_min_routes(isa, "GenuineIntel") == T[isa]
         assert K.default_gemm_min_routes(isa, "") == T[isa]
-        want = K.NEVER if isa.startswith("avx512") else T[isa]
+        want = K.NEVER if isa.startswith(("avx512", "amx")) else T[isa]
         assert K.default_gemm_min_routes(isa, "AuthenticAMD") == want
     # the forward follows it: 40 routes to each of 2 experts, threshold 32 (Intel's avx2 table
     # figure stands in), then an AMD vendor on an AVX-512 path
@@ -305,7 +307,7 @@ def test_gemm_threshold_by_code_path_and_vendor(kernel, monkeypatch):
     assert gemm_calls == [[0, 1]]
     monkeypatch.setattr(K, "cpu_vendor", lambda: "AuthenticAMD")
     assert_close(K.moe_mxfp4(x, ids, tw, *w, 0, E - 1), want)
-    assert gemm_calls == [[0, 1]] * (1 if K._isa.startswith("avx512") else 2)
+    assert gemm_calls == [[0, 1]] * (1 if K._isa.startswith(("avx512", "amx")) else 2)
 
 
 def test_bad_shapes_are_refused(kernel):
@@ -407,11 +409,12 @@ def fused_fp32(x, ids, tw, w, emin, emax):
 
 
 def on_avx512(fn):
+    before = K._isa
     K.set_isa("avx512")
     try:
         return fn()
     finally:
-        K.set_isa("avx512bf16")
+        K.set_isa(before)
 
 
 @pytest.mark.parametrize(
@@ -425,8 +428,12 @@ def test_bf16_path_matches_oracle_and_the_avx512_path(bf16_isa, H, I, T):
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
     ids, tw = routes(T, k, emin - 2, emin + E + 1, seed=T)
     got = fused_fp32(x, ids, tw, w, emin, emin + E - 1)
-    bf16_rows, fp32_rows = K.w13_rows()
+    bf16_rows, fp32_rows, amx_rows = K._w13_counts()
     assert bf16_rows > 0 and fp32_rows == 0, (bf16_rows, fp32_rows)
+    # on AMX the experts with at least 3 tokens (mxfp4_moe.c AMX_MIN_TOKENS), their 2I rows
+    local = ids[(ids >= emin) & (ids < emin + E)].long() - emin
+    crowded = int((torch.bincount(local, minlength=E) >= 3).sum())
+    assert amx_rows == (2 * I * crowded if bf16_isa == "amx" else 0), (amx_rows, crowded)
     assert_close(got, oracle_moe(x.float(), ids, tw, *w, emin, emin + E - 1))
     assert_close(got, on_avx512(lambda: fused_fp32(x, ids, tw, w, emin, emin + E - 1)))
 

@@ -51,8 +51,17 @@
 #include <immintrin.h>
 #define MX_X86 1
 #endif
+#if defined(__GNUC__) && __GNUC__ >= 12 && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define MX_AMX 1
+#define AMXBF16 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vbmi,avx512bf16,avx2,fma")))
+#else
+#define MX_AMX 0
+#endif
 
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, NISA = 4 };
+/* ISA_AMX: ISA_AVX512BF16's kernels, with w13 (bf16 x) on AMX-BF16 tiles (w13_amx) */
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, NISA = 4, ISA_AMX = 4 };
 enum { MAX_GROUP = 8 }; /* tokens whose accumulators stay in registers while a row streams by */
 
 /* Tokens per group: AVX-512 does 4 rows x 4 tokens (16 accumulators, each x load feeds 4 FMAs)
@@ -81,6 +90,7 @@ static uint16_t BFW[256][32] __attribute__((aligned(64)));
 /* w13 rows computed by the bf16 kernels and by the fp32 ones (mx_w13_rows): how the tests see
  * which path ran. */
 static int64_t g_w13_rows[2];
+static int64_t g_amx_rows; /* of the bf16 ones, those on the AMX tiles */
 
 static void init_tables(void) {
     for (int b = 0; b < 256; b++) {
@@ -104,14 +114,29 @@ static void init_tables(void) {
     }
 }
 
+/* Whether Linux lets this process use the AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM, once). */
+static int amx_granted(void) {
+    static int granted = -1;
+#if MX_AMX
+    if (granted < 0)
+        granted = __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile") &&
+                  syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                          18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    granted = 0;
+#endif
+    return granted;
+}
+
 static int best_isa(void) {
 #ifdef MX_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f"))
-        return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
-                       __builtin_cpu_supports("avx512bf16")
-                   ? ISA_AVX512BF16
-                   : ISA_AVX512;
+    if (__builtin_cpu_supports("avx512f")) {
+        if (!(__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
+              __builtin_cpu_supports("avx512bf16")))
+            return ISA_AVX512;
+        return amx_granted() ? ISA_AMX : ISA_AVX512BF16;
+    }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
 #endif
     return ISA_SCALAR;
@@ -119,7 +144,7 @@ static int best_isa(void) {
 
 /* Select the code path: -1 = best the CPU supports; a request above that is lowered.
  * Returns the path in use (0 scalar, 1 AVX2+FMA, 2 AVX-512F, 3 AVX-512F with the AVX512-BF16 w13
- * kernels). Not thread safe: call before use. */
+ * kernels, 4 the same with w13 on AMX-BF16 tiles). Not thread safe: call before use. */
 int mx_set_isa(int isa) {
     int best = best_isa();
     if (SCALE[1] == 0.0f) init_tables();
@@ -576,27 +601,153 @@ static int bf16_exact(const uint8_t *s, size_t n, int ex) {
     return ex >= 1 && lo >= 2 && lo + ex >= 136 && hi <= 254;
 }
 
+/* ---------------------------------------------------------------- w13 on AMX-BF16
+ * Where bf16 is exact (above), tdpbf16ps takes 16 rows x 32 weights (A: each row's block
+ * unpacked by block_bf16, stored to a 1 KiB buffer) times those 32 inputs x up to 16 tokens (B:
+ * the tokens' bf16 x in xb order, dword pairs transposed, packed once a call by pack_routes):
+ * 512 products an instruction where vdpbf16ps does 32, so at a few tokens an expert the
+ * unpacking is left and the products are not. The same exact products as the AVX512-BF16
+ * kernels, summed pair by pair and block after block: another order of the fp32 additions, the
+ * same for a token whatever the tokens beside it. */
+/* Tokens an expert needs for its w13 to take the tiles: with one or two the unpacked block's
+ * store and tile load cost more than the vdpbf16ps they save (8 experts of the small model's
+ * shape, one thread, vdpbf16ps / AMX ms: 1.99 / 2.19 at 1 token, 2.29 / 2.42 at 2, 2.72 / 2.43
+ * at 3, 6.51 / 3.62 at 8). So a token's w13 sums come in one order or the other by how many
+ * tokens share its expert, as the register kernels' shapes (NA) already make them. */
+enum { AMX_MIN_TOKENS = 3 };
+
+#if MX_AMX
+typedef struct { /* ldtilecfg's 64 bytes, palette 1 */
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} mx_tilecfg;
+
+/* The n routes' x rows xb[j] (bf16, xb order, H) -> B's layout at dst: per 16 routes c (mt of
+ * them), at dst + c * H, per block of 32 inputs a 16 x mt array of dwords (row i: inputs 2i and
+ * 2i + 1 of each route). */
+static void pack_routes(const uint16_t *const *xb, int n, int H, uint16_t *dst) {
+    for (int c = 0; c < n; c += 16) {
+        const int mt = n - c < 16 ? n - c : 16;
+        uint32_t *d = (uint32_t *)(dst + (size_t)c * H);
+        for (int t = 0; t < mt; t++) {
+            const uint32_t *src = (const uint32_t *)xb[c + t];
+            for (int b = 0; b < H / 32; b++)
+                for (int i = 0; i < 16; i++) d[(size_t)b * 16 * mt + i * mt + t] = src[b * 16 + i];
+        }
+    }
+}
+
+/* The tile state is the thread's and anyone's (oneDNN's AMX GEMMs run on these threads): the
+ * forward's parallel region starts with *cfg = -1, loads a configuration when the shapes change
+ * and releases it at its end (amx_release). */
+static AMXBF16 void amx_release(void) { _tile_release(); }
+
+static AMXBF16 void amx_shape(int ar, int m0, int m1, int *cfg_key) {
+    const int key = ar | m0 << 5 | m1 << 10;
+    if (key == *cfg_key) return;
+    mx_tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = (uint8_t)ar, c.colsb[0] = (uint16_t)(4 * m0); /* C: rows x tokens, fp32 */
+    c.rows[2] = c.rows[3] = (uint8_t)ar, c.colsb[2] = c.colsb[3] = 64; /* A, two buffers */
+    c.rows[4] = 16, c.colsb[4] = (uint16_t)(4 * m0);          /* B: 16 pairs x tokens */
+    if (m1) {
+        c.rows[1] = (uint8_t)ar, c.colsb[1] = (uint16_t)(4 * m1);
+        c.rows[5] = 16, c.colsb[5] = (uint16_t)(4 * m1);
+    }
+    _tile_loadconfig(&c);
+    *cfg_key = key;
+}
+
+/* dst[t][r] = row_r . x_t for the w13 rows [r0, r1) and the n tokens packed at xT: 16 rows and
+ * 32 tokens a pass (two C tiles share each A), the A buffer double (a tile load waits for the
+ * stores before it; the other buffer's are not in its way). */
+static AMXBF16 void w13_amx(const uint8_t *w, const uint8_t *s, int H, int r0, int r1, int n,
+                            const uint16_t *xT, float *const *dst, int *cfg_key) {
+    const size_t wb = H / 2, sb = H / 32;
+    const int nb = H / 32;
+    __m512i abuf[2][16];
+    float c[2][16 * 16];
+    for (int r = r0; r < r1; r += 16) {
+        const int ar = r1 - r < 16 ? r1 - r : 16;
+        const uint8_t *wr = w + (size_t)r * wb, *sr = s + (size_t)r * sb;
+        /* the next 16 rows are the next bytes: fetch them at this group's pace */
+        const char *next = (const char *)(wr + (size_t)ar * wb);
+        const size_t pace = (size_t)ar * wb / nb;
+        for (int t0 = 0; t0 < n; t0 += 32) {
+            const int m0 = n - t0 < 16 ? n - t0 : 16;
+            const int m1 = n - t0 - 16 <= 0 ? 0 : (n - t0 - 16 < 16 ? n - t0 - 16 : 16);
+            const uint16_t *b0 = xT + (size_t)t0 * H, *b1 = xT + (size_t)(t0 + 16) * H;
+            amx_shape(ar, m0, m1, cfg_key);
+            _tile_zero(0);
+            if (m1) _tile_zero(1);
+            for (int b = 0; b < nb; b++) {
+                __m512i *ab = abuf[b & 1];
+                if (t0 == 0)
+                    for (size_t o = 0; o < pace; o += 64) _mm_prefetch(next + pace * b + o, _MM_HINT_T0);
+                for (int j = 0; j < ar; j++)
+                    _mm512_store_si512(ab + j, block_bf16(wr + j * wb + 16 * b, sr[j * sb + b]));
+                if (b & 1) {
+                    _tile_loadd(3, ab, 64);
+                    _tile_loadd(4, b0 + (size_t)b * 32 * m0, 4 * m0);
+                    _tile_dpbf16ps(0, 3, 4);
+                    if (m1) {
+                        _tile_loadd(5, b1 + (size_t)b * 32 * m1, 4 * m1);
+                        _tile_dpbf16ps(1, 3, 5);
+                    }
+                } else {
+                    _tile_loadd(2, ab, 64);
+                    _tile_loadd(4, b0 + (size_t)b * 32 * m0, 4 * m0);
+                    _tile_dpbf16ps(0, 2, 4);
+                    if (m1) {
+                        _tile_loadd(5, b1 + (size_t)b * 32 * m1, 4 * m1);
+                        _tile_dpbf16ps(1, 2, 5);
+                    }
+                }
+            }
+            _tile_stored(0, c[0], 4 * m0);
+            if (m1) _tile_stored(1, c[1], 4 * m1);
+            for (int h = 0; h < 2; h++) {
+                const int mt = h ? m1 : m0;
+                for (int t = 0; t < mt; t++)
+                    for (int j = 0; j < ar; j++) dst[t0 + 16 * h + t][r + j] = c[h][j * mt + t];
+            }
+        }
+    }
+}
+#endif
+
 /* dst[t][r] = row_r . x_t for the w13 rows [r0, r1) of one expert and its n tokens: the bf16
- * kernels (xb: the tokens' bf16 rows, NULL when not on that path) when bf16_exact holds for all
- * the rows' scale bytes (a range check over 1/16 of the bytes the rows read), else the fp32
- * kernels of fisa (xs, xp order). */
+ * kernels (xb: the tokens' bf16 rows, NULL when not on that path; on AMX xT: them packed, cfg:
+ * the thread's tile configuration) when bf16_exact holds for all the rows' scale bytes (a range
+ * check over 1/16 of the bytes the rows read), else the fp32 kernels of fisa (xs, xp order). */
 static void w13_rows(const uint8_t *w, const uint8_t *s, int H, int r0, int r1, int n, int fisa,
                      const float *const *xs, const uint16_t *const *xb, int ex,
-                     float *const *dst) {
+                     const uint16_t *xT, int *cfg, float *const *dst) {
     const size_t sb = H / 32;
     const int bf = xb && bf16_exact(s + r0 * sb, (r1 - r0) * sb, ex);
-    rows_dot(w, s, H, r0, r1, n, bf ? ISA_AVX512BF16 : fisa,
-             bf ? (const void *const *)xb : (const void *const *)xs, dst, NULL);
+#if MX_AMX
+    if (bf && xT && n >= AMX_MIN_TOKENS) {
+        w13_amx(w, s, H, r0, r1, n, xT, dst, cfg);
+        __atomic_fetch_add(&g_amx_rows, r1 - r0, __ATOMIC_RELAXED);
+    } else
+#endif
+        rows_dot(w, s, H, r0, r1, n, bf ? ISA_AVX512BF16 : fisa,
+                 bf ? (const void *const *)xb : (const void *const *)xs, dst, NULL);
+    (void)xT, (void)cfg;
     __atomic_fetch_add(&g_w13_rows[!bf], r1 - r0, __ATOMIC_RELAXED);
 }
 
 /* ---------------------------------------------------------------- entry points */
 
-/* The w13 rows computed since the last call by the bf16 kernels (out[0]) and by the fp32 ones
- * (out[1], any ISA); both counts restart at zero. For tests: which path ran. */
+/* The w13 rows computed since the last call by the bf16 kernels (out[0]), by the fp32 ones
+ * (out[1], any ISA) and, of out[0], on the AMX tiles (out[2]); the counts restart at zero. For
+ * tests: which path ran. */
 void mx_w13_rows(int64_t *out) {
     out[0] = __atomic_exchange_n(&g_w13_rows[0], 0, __ATOMIC_RELAXED);
     out[1] = __atomic_exchange_n(&g_w13_rows[1], 0, __ATOMIC_RELAXED);
+    out[2] = __atomic_exchange_n(&g_amx_rows, 0, __ATOMIC_RELAXED);
 }
 
 /* act = silu(g) * u over cols (a multiple of 32) columns, in natural order, as the forward
@@ -645,8 +796,8 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
     if (g_isa < 0) mx_set_isa(-1);
     const int G = xp_group(), nroutes = T * k;
     /* fp32 kernels: w2 always, w13 for fp32 x or where bf16 would not be exact */
-    const int fisa = g_isa == ISA_AVX512BF16 ? ISA_AVX512 : g_isa;
-    const int bf = g_isa == ISA_AVX512BF16 && x_bf16;
+    const int fisa = g_isa >= ISA_AVX512BF16 ? ISA_AVX512 : g_isa;
+    const int bf = g_isa >= ISA_AVX512BF16 && x_bf16, amx = bf && g_isa == ISA_AMX;
     int32_t *own_counts = counts ? NULL : malloc(sizeof(int32_t) * (E + 1));
     if (!counts) counts = own_counts;
     if (!counts) return -1;
@@ -689,9 +840,11 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
     uint16_t *xbp = bf ? malloc(sizeof(uint16_t) * ((size_t)T * H + 1)) : NULL;
     const uint16_t **xb = bf ? malloc(sizeof(uint16_t *) * (R + 1)) : NULL;
     int *xe = bf ? malloc(sizeof(int) * (T + 1)) : NULL;
-    if (!xp || !h || !act || !xs || !as || !hd || !od || (bf && (!xbp || !xb || !xe))) {
+    uint16_t *xT = amx ? malloc(sizeof(uint16_t) * ((size_t)R * H + 1)) : NULL; /* AMX's B */
+    if (!xp || !h || !act || !xs || !as || !hd || !od || (bf && (!xbp || !xb || !xe)) ||
+        (amx && !xT)) {
         free(xp); free(h); free(act); free(xs); free(as); free(hd); free(od);
-        free(xbp); free(xb); free(xe);
+        free(xbp); free(xb); free(xe); free(xT);
         goto oom;
     }
     for (int j = 0; j < R; j++) {
@@ -708,6 +861,7 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
     const int ci = (I + c13 - 1) / c13, ch = (H + c2 - 1) / c2;
 #pragma omp parallel num_threads(nthreads)
     {
+        int cfg = -1; /* this thread's AMX tile configuration (w13_amx) */
         /* Activations to fp32 in xp order; the output starts at zero. */
 #pragma omp for schedule(static)
         for (int t = 0; t < T; t++) {
@@ -723,6 +877,15 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
             }
         }
         /* implicit barrier: xp is complete */
+#if MX_AMX
+        if (amx) { /* each expert's tokens packed for the B tiles */
+#pragma omp for schedule(static)
+            for (int q = 0; q < ntouched; q++) {
+                const int e = touched[q], n = start[e + 1] - start[e];
+                if (n >= AMX_MIN_TOKENS) pack_routes(xb + start[e], n, H, xT + (size_t)start[e] * H);
+            }
+        }
+#endif
 
         /* item (expert q, chunk c): gate and up rows [i0, i1) of expert q, then act = silu(gate)
          * * up for them; no other item writes those h or act entries. */
@@ -735,8 +898,9 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
             int ex = 255; /* the smallest x exponent of the expert's tokens */
             for (int j = j0; bf && j < j0 + n; j++) ex = xe[route_tok[j]] < ex ? xe[route_tok[j]] : ex;
             const uint16_t *const *xbj = bf ? xb + j0 : NULL;
-            w13_rows(we, se, H, i0, i1, n, fisa, xs + j0, xbj, ex, hd + j0);
-            w13_rows(we, se, H, I + i0, I + i1, n, fisa, xs + j0, xbj, ex, hd + j0);
+            const uint16_t *xTj = amx ? xT + (size_t)j0 * H : NULL;
+            w13_rows(we, se, H, i0, i1, n, fisa, xs + j0, xbj, ex, xTj, &cfg, hd + j0);
+            w13_rows(we, se, H, I + i0, I + i1, n, fisa, xs + j0, xbj, ex, xTj, &cfg, hd + j0);
             for (int j = j0; j < j0 + n; j++) /* i0 and i1 are multiples of 32 (I is) */
                 silu_mul_xp(hd[j] + i0, hd[j] + I + i0, i1 - i0, act + (size_t)j * I + i0, G);
         }
@@ -753,9 +917,12 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
                          n, fisa, (const void *const *)(as + j0), od + j0, route_w + j0);
             }
         }
+#if MX_AMX
+        if (cfg >= 0) amx_release(); /* only where the tiles ran: its ISA is AMX's */
+#endif
     }
     free(xp); free(h); free(act); free(xs); free(as); free(hd); free(od);
-    free(xbp); free(xb); free(xe);
+    free(xbp); free(xb); free(xe); free(xT);
     free(start); free(fill); free(route_tok); free(route_w); free(touched); free(own_counts);
     return 0;
 oom:

@@ -44,7 +44,7 @@ from .build import Lazy
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("mxfp4_moe.c")
-ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")
+ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16", "amx")
 # Caps the code path when the library loads (one of ISA_NAMES), e.g. to run a benchmark or the
 # serving loop on the AVX-512F path of a CPU that has AVX512-BF16; set_isa() overrides it.
 ISA_ENV = "DIST_GLM5_MXFP4_ISA"
@@ -54,7 +54,7 @@ ISA_ENV = "DIST_GLM5_MXFP4_ISA"
 # 1.34 vs 1.57 at 64, 2.64 vs 2.26 at 128 (1 thread: crossing between 48 and 80). AVX2, 2
 # threads: GLM-5 19.0 vs 18.2 at 24, 25.2 vs 20.3 at 32; small 0.86 vs 0.86 at 24. The scalar
 # path is ~10x slower than AVX2, so there the GEMM wins from a few tokens.
-GEMM_MIN_ROUTES = {"scalar": 4, "avx2": 24, "avx512": 64, "avx512bf16": 64}
+GEMM_MIN_ROUTES = {"scalar": 4, "avx2": 24, "avx512": 64, "avx512bf16": 64, "amx": 64}
 # torch's fp32 GEMM is MKL's, which runs its AVX-512 code on Intel CPUs only: on an AMD Zen 5 it
 # ran at AVX2 speed (215 GFLOP/s on 2 threads, oneDNN's AVX-512 GEMM 470), and the fused kernel's
 # AVX-512 paths beat decode + GEMM at every size measured (small model, 16-2048 routes to one
@@ -97,14 +97,25 @@ def set_isa(isa: str | None = None) -> str:
 
 
 def w13_rows() -> tuple[int, int]:
-    """(bf16, fp32): the gate/up rows computed by the AVX512-BF16 kernels and by the fp32 ones
-    since the last call (process-wide counts, then reset). For tests: which path ran."""
+    """(bf16, fp32): the gate/up rows computed by the AVX512-BF16 kernels (or AMX tiles) and by
+    the fp32 ones since the last call (process-wide counts, then reset; amx_rows too). For
+    tests: which path ran."""
+    return _w13_counts()[:2]
+
+
+def amx_rows() -> int:
+    """Of the bf16 gate/up rows since the last call (w13_rows), those on the AMX tiles (both
+    counts reset). For tests."""
+    return _w13_counts()[2]
+
+
+def _w13_counts() -> tuple[int, int, int]:
     lib = _kernel.get()
     if lib is None:
         raise RuntimeError("the MXFP4 MoE kernel is not available")
-    out = (ctypes.c_int64 * 2)()
+    out = (ctypes.c_int64 * 3)()
     lib.mx_w13_rows(out)
-    return out[0], out[1]
+    return out[0], out[1], out[2]
 
 
 def silu_mul(g: Tensor, u: Tensor) -> Tensor:
@@ -269,7 +280,7 @@ def cpu_vendor() -> str:
 def default_gemm_min_routes(isa: str, vendor: str) -> int:
     """GEMM_MIN_ROUTES of a code path, unless torch's GEMM lacks AVX-512 where the path has it
     (an unknown vendor keeps the table's figure)."""
-    if isa.startswith("avx512") and vendor and vendor not in MKL_AVX512_VENDORS:
+    if isa.startswith(("avx512", "amx")) and vendor and vendor not in MKL_AVX512_VENDORS:
         return NEVER
     return GEMM_MIN_ROUTES[isa]
 
