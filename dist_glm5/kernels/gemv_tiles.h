@@ -293,9 +293,12 @@ static __attribute__((unused)) AMXBF16 void amx_rows(const uint16_t *xT, int m, 
         _tile_zero(0);
         if (m1) _tile_zero(1);
         const uint16_t *b0 = xT + (int64_t)t0 * K, *b1 = xT + (int64_t)(t0 + 16) * K;
+        /* the next 16 rows follow these in memory: fetch them at this pass's pace, so that the
+         * next call starts from cache (16 streams are more than the prefetcher follows) */
+        const char *next = (const char *)(wa + (int64_t)ar * K);
+        const int64_t pace = t0 == 0 ? 2 * (int64_t)ar * 32 : 0; /* bytes a block, first pass */
         for (int kb = 0; kb < K / 32; kb++) {
-            /* the rows' next bytes, 512 ahead: 16 streams are more than the prefetcher follows */
-            for (int j = 0; j < ar; j++) __builtin_prefetch(wa + (int64_t)j * K + 32 * kb + 256, 0, 3);
+            for (int64_t o = 0; o < pace; o += 64) __builtin_prefetch(next + pace * kb + o, 0, 3);
             _tile_loadd(2, wa + 32 * kb, 2 * K);
             _tile_loadd(4, b0 + (int64_t)kb * 32 * m0, 4 * m0);
             _tile_dpbf16ps(0, 2, 4);
