@@ -145,7 +145,7 @@ CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int
             const int e = te[it / q13], a = first[e] - base, n = first[e + 1] - first[e];
             const int n0 = unit * (it % q13), wr = 2 * I - n0 < unit ? 2 * I - n0 : unit;
             const uint16_t *we = w13 + (int64_t)e * 2 * I * H;
-#if GEMV_AMX
+#if HAVE_AMX
             if (amx)
                 amx_rows(xT + (int64_t)a * H, n, H, we, n0, wr, NULL, g16 + (int64_t)a * 2 * I, 2 * I,
                          &cfg);
@@ -172,7 +172,7 @@ CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int
             const int e = te[it / q2], a = first[e] - base, n = first[e + 1] - first[e];
             const int n0 = unit * (it % q2), wr = H - n0 < unit ? H - n0 : unit;
             const uint16_t *wd = w2 + (int64_t)e * H * I;
-#if GEMV_AMX
+#if HAVE_AMX
             if (amx)
                 amx_rows(aT + (int64_t)a * I, n, I, wd, n0, wr, NULL, y16 + (int64_t)a * H, H, &cfg);
             else
@@ -193,8 +193,8 @@ CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int
                 for (int h = h0; h < H && h < h0 + 64; h++) o[h] = rnd(o[h] + rnd(bf16_to_f32(y[h]) * wt));
             }
     }
-#if GEMV_AMX
-    if (cfg >= 0) amx_end(cfg); /* only where the tiles ran: its ISA is AMX's */
+#if HAVE_AMX
+    if (cfg >= 0) amx_bf16_release(); /* only where the tiles ran: its ISA is AMX's */
 #endif
     (void)cfg;
     }

@@ -27,9 +27,8 @@
 
 #include <immintrin.h>
 #include <math.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx.h"
 #include "common.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -354,18 +353,10 @@ VNNI static void score_block_vnni(const int32_t *q4, const int32_t *qcorr, const
  * another order (pairs 8 apart first), as the bf16 path's dots differ from the portable one's:
  * the tests compare the selections with the torch form's. D <= 128 (two K chunks) and H <= 64
  * (four tiles of 16 heads); other shapes take the VNNI path. */
-#if defined(__GNUC__) && __GNUC__ >= 12 && defined(__x86_64__)
-#define HAVE_AMX 1
+#if HAVE_AMX
 #define AMX_T __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
-#else
-#define HAVE_AMX 0
 #endif
-
-typedef struct { /* ldtilecfg's 64 bytes, palette 1 */
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg;
+typedef amx_tilecfg tilecfg;
 
 /* tmm0: C (16 keys x 16 heads, int32; 8 heads when H <= 8); tmm2, tmm3: A (16 keys x the first
  * 64 bytes, the rest); tmm4, tmm5: B (those bytes' dwords x 16 heads, or 8). */
@@ -570,20 +561,15 @@ int dsa_select_q8_vnni(int D) { return D % 4 == 0 && vnni_here(); }
  * conditions, D <= 128, H <= 64, and no test turns it off (dsa_select_no_amx). */
 static int no_amx = 0;
 void dsa_select_no_amx(int on) { no_amx = on; }
-static int amx_granted(void) {
-    static int granted = -1;
+static int amx_int8_here(void) {
 #if HAVE_AMX
-    if (granted < 0)
-        granted = __builtin_cpu_supports("amx-int8") && __builtin_cpu_supports("amx-tile") &&
-                  syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                          18 /* XFEATURE_XTILEDATA */) == 0;
+    return __builtin_cpu_supports("amx-int8") && amx_granted();
 #else
-    granted = 0;
+    return 0;
 #endif
-    return granted;
 }
 int dsa_select_q8_amx(int D, int H) {
-    return !no_amx && dsa_select_q8_vnni(D) && D <= 128 && H <= 64 && amx_granted();
+    return !no_amx && dsa_select_q8_vnni(D) && D <= 128 && H <= 64 && amx_int8_here();
 }
 /* The AVX512-BF16 path for bf16 keys: the CPU has it (and VNNI, for the transpose's target), D is
  * even and no test forces the portable path. */

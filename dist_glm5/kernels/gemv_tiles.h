@@ -8,9 +8,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx.h"
 #include "common.h"
 
 #define WT 4 /* weight rows per tile, at most */
@@ -227,46 +226,21 @@ static int bf16dot(void) {
  * block, in an order fixed by K alone, so a row's bits depend neither on the rows beside it nor
  * on the thread (the tests check both). Subnormals flush, as with vdpbf16ps. K % 32 == 0 only
  * (every model's shapes); other products keep the vdpbf16ps tiles. */
-#if defined(__GNUC__) && __GNUC__ >= 12 && defined(__x86_64__)
-#define GEMV_AMX 1
-#define AMXBF16 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
-#else
-#define GEMV_AMX 0
-#endif
 
-typedef struct { /* ldtilecfg's 64 bytes, palette 1 */
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} gemv_tilecfg;
-
-/* x [m, K] -> xT: for each 16 x rows c (the last chunk mt = m - c rows), at xT + c * K, per
- * block of 32 inputs a 16 x mt array of dwords: row i holds inputs 2i, 2i + 1 of each x row (B's
- * layout). xT has x's size, and rows [a, a + n) of x pack into xT + a * K. */
+/* x [m, K] -> xT, amx_pack_rows' layout (rows [a, a + n) of x pack into xT + a * K). */
 static __attribute__((unused)) void amx_pack(const uint16_t *x, int m, int K, uint16_t *xT) {
     for (int c = 0; c < m; c += 16) {
+        const uint16_t *rows[16];
         const int mt = m - c < 16 ? m - c : 16;
-        uint32_t *d = (uint32_t *)(xT + (int64_t)c * K);
-        for (int t = 0; t < mt; t++) {
-            const uint32_t *src = (const uint32_t *)(x + (int64_t)(c + t) * K);
-            for (int kb = 0; kb < K / 32; kb++)
-#pragma GCC unroll 16
-                for (int i = 0; i < 16; i++) d[(int64_t)kb * 16 * mt + i * mt + t] = src[kb * 16 + i];
-        }
+        for (int t = 0; t < mt; t++) rows[t] = x + (int64_t)(c + t) * K;
+        amx_pack_rows(rows, mt, K, xT + (int64_t)c * K);
     }
 }
 
-#if GEMV_AMX
+#if HAVE_AMX
 /* Weight rows [n0, n0 + ar) (ar <= 16) of w [N, K] against the m packed x rows xT: y [m, N]
- * (+ b), 32 x rows a pass (two C tiles sharing each A tile). The tile state is the thread's and
- * anyone's (oneDNN's AMX GEMMs run on these threads too), so a caller's parallel region starts
- * with *cfg = -1 and ends with amx_end() when it is not: the configuration is loaded only when
- * the shapes change (a load and a release per call cost 1.2 ms of a 13 ms batch-1 step). */
-static __attribute__((unused)) AMXBF16 void amx_end(int cfg) {
-    if (cfg >= 0) _tile_release();
-}
-
-static __attribute__((unused)) AMXBF16 void amx_rows(const uint16_t *xT, int m, int K,
+ * (+ b), 32 x rows a pass (two C tiles sharing each A tile); cfg_key: amx_bf16_shape's. */
+static __attribute__((unused)) AMX_BF16_T void amx_rows(const uint16_t *xT, int m, int K,
                                                      const uint16_t *w, int n0, int ar,
                                                      const uint16_t *b, uint16_t *y, int N,
                                                      int *cfg_key) {
@@ -275,21 +249,7 @@ static __attribute__((unused)) AMXBF16 void amx_rows(const uint16_t *xT, int m, 
     for (int t0 = 0; t0 < m; t0 += 32) {
         const int m0 = m - t0 < 16 ? m - t0 : 16;
         const int m1 = m - t0 - 16 <= 0 ? 0 : (m - t0 - 16 < 16 ? m - t0 - 16 : 16);
-        const int key = ar | m0 << 5 | m1 << 10;
-        if (key != *cfg_key) {
-            gemv_tilecfg cfg;
-            memset(&cfg, 0, sizeof cfg);
-            cfg.palette = 1;
-            cfg.rows[0] = (uint8_t)ar, cfg.colsb[0] = (uint16_t)(4 * m0); /* C: rows x x rows */
-            cfg.rows[2] = (uint8_t)ar, cfg.colsb[2] = 64;                  /* A: rows x 32 inputs */
-            cfg.rows[4] = 16, cfg.colsb[4] = (uint16_t)(4 * m0);           /* B: 16 pairs x x rows */
-            if (m1) {
-                cfg.rows[1] = (uint8_t)ar, cfg.colsb[1] = (uint16_t)(4 * m1);
-                cfg.rows[5] = 16, cfg.colsb[5] = (uint16_t)(4 * m1);
-            }
-            _tile_loadconfig(&cfg);
-            *cfg_key = key;
-        }
+        amx_bf16_shape(ar, m0, m1, cfg_key);
         _tile_zero(0);
         if (m1) _tile_zero(1);
         const uint16_t *b0 = xT + (int64_t)t0 * K, *b1 = xT + (int64_t)(t0 + 16) * K;
@@ -300,15 +260,9 @@ static __attribute__((unused)) AMXBF16 void amx_rows(const uint16_t *xT, int m, 
         for (int kb = 0; kb < K / 32; kb++) {
             for (int64_t o = 0; o < pace; o += 64) __builtin_prefetch(next + pace * kb + o, 0, 3);
             _tile_loadd(2, wa + 32 * kb, 2 * K);
-            _tile_loadd(4, b0 + (int64_t)kb * 32 * m0, 4 * m0);
-            _tile_dpbf16ps(0, 2, 4);
-            if (m1) {
-                _tile_loadd(5, b1 + (int64_t)kb * 32 * m1, 4 * m1);
-                _tile_dpbf16ps(1, 2, 5);
-            }
+            AMX_BF16_BLOCK(2, b0, b1, kb, m0, m1);
         }
-        _tile_stored(0, c[0], 4 * m0);
-        if (m1) _tile_stored(1, c[1], 4 * m1);
+        AMX_BF16_STORE(c, m0, m1);
         for (int h = 0; h < 2; h++) {
             const int mt = h ? m1 : m0;
             for (int t = 0; t < mt; t++)
@@ -330,19 +284,18 @@ static __attribute__((unused)) int amx16(int K) {
     if (on < 0) {
         const char *e = getenv("DIST_GLM5_GEMV_AMX");
         on = 0;
-#if GEMV_AMX
-        on = bf16dot() && __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile") &&
-             !(e && *e && !strcmp(e, "0")) &&
-             syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#if HAVE_AMX
+        on = bf16dot() && __builtin_cpu_supports("amx-bf16") && !(e && *e && !strcmp(e, "0")) &&
+             amx_granted();
 #endif
         (void)e;
     }
     return on && K % 32 == 0;
 }
 
-#if GEMV_AMX
+#if HAVE_AMX
 /* The np products' weight rows, 16 at a time over threads, on the AMX tiles (xT: amx_pack's). */
-static __attribute__((unused)) AMXBF16 void products_amx(const uint16_t *xT, int m, int K, int np,
+static __attribute__((unused)) AMX_BF16_T void products_amx(const uint16_t *xT, int m, int K, int np,
                                                          const uint16_t *const *w, const int *N,
                                                          const uint16_t *const *b,
                                                          uint16_t *const *y, int nthreads) {
@@ -358,7 +311,7 @@ static __attribute__((unused)) AMXBF16 void products_amx(const uint16_t *xT, int
             const int n0 = 16 * (q - start[i]), ar = N[i] - n0 < 16 ? N[i] - n0 : 16;
             amx_rows(xT, m, K, w[i], n0, ar, b[i], y[i], N[i], &cfg);
         }
-        if (cfg >= 0) amx_end(cfg);
+        if (cfg >= 0) amx_bf16_release();
     }
 }
 #endif
@@ -377,7 +330,7 @@ static __attribute__((unused)) AMXBF16 void products_amx(const uint16_t *xT, int
 static CLONES int products(const uint16_t *x, int m, int K, int np, const uint16_t *const *w,
                            const int *N, const uint16_t *const *b, uint16_t *const *y,
                            int nthreads) {
-#if GEMV_AMX
+#if HAVE_AMX
     if (amx16(K)) {
         uint16_t *xT = malloc(sizeof(uint16_t) * ((size_t)m * K + 1));
         if (!xT) return -1;

@@ -51,14 +51,7 @@
 #include <immintrin.h>
 #define MX_X86 1
 #endif
-#if defined(__GNUC__) && __GNUC__ >= 12 && defined(__x86_64__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define MX_AMX 1
-#define AMXBF16 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vbmi,avx512bf16,avx2,fma")))
-#else
-#define MX_AMX 0
-#endif
+#include "amx.h"
 
 /* ISA_AMX: ISA_AVX512BF16's kernels, with w13 (bf16 x) on AMX-BF16 tiles (w13_amx) */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, NISA = 4, ISA_AMX = 4 };
@@ -114,18 +107,13 @@ static void init_tables(void) {
     }
 }
 
-/* Whether Linux lets this process use the AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM, once). */
-static int amx_granted(void) {
-    static int granted = -1;
-#if MX_AMX
-    if (granted < 0)
-        granted = __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile") &&
-                  syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                          18 /* XFEATURE_XTILEDATA */) == 0;
+/* The AMX path: built with it, the CPU has AMX-BF16 and Linux grants the tiles. */
+static int amx_bf16_here(void) {
+#if HAVE_AMX
+    return __builtin_cpu_supports("amx-bf16") && amx_granted();
 #else
-    granted = 0;
+    return 0;
 #endif
-    return granted;
 }
 
 static int best_isa(void) {
@@ -135,7 +123,7 @@ static int best_isa(void) {
         if (!(__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
               __builtin_cpu_supports("avx512bf16")))
             return ISA_AVX512;
-        return amx_granted() ? ISA_AMX : ISA_AVX512BF16;
+        return amx_bf16_here() ? ISA_AMX : ISA_AVX512BF16;
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
 #endif
@@ -604,7 +592,7 @@ static int bf16_exact(const uint8_t *s, size_t n, int ex) {
 /* ---------------------------------------------------------------- w13 on AMX-BF16
  * Where bf16 is exact (above), tdpbf16ps takes 16 rows x 32 weights (A: each row's block
  * unpacked by block_bf16, stored to a 1 KiB buffer) times those 32 inputs x up to 16 tokens (B:
- * the tokens' bf16 x in xb order, dword pairs transposed, packed once a call by pack_routes):
+ * the tokens' bf16 x in xb order, dword pairs transposed, packed once a call by amx_pack_rows):
  * 512 products an instruction where vdpbf16ps does 32, so at a few tokens an expert the
  * unpacking is left and the products are not. The same exact products as the AVX512-BF16
  * kernels, summed pair by pair and block after block: another order of the fp32 additions, the
@@ -616,54 +604,11 @@ static int bf16_exact(const uint8_t *s, size_t n, int ex) {
  * tokens share its expert, as the register kernels' shapes (NA) already make them. */
 enum { AMX_MIN_TOKENS = 3 };
 
-#if MX_AMX
-typedef struct { /* ldtilecfg's 64 bytes, palette 1 */
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} mx_tilecfg;
-
-/* The n routes' x rows xb[j] (bf16, xb order, H) -> B's layout at dst: per 16 routes c (mt of
- * them), at dst + c * H, per block of 32 inputs a 16 x mt array of dwords (row i: inputs 2i and
- * 2i + 1 of each route). */
-static void pack_routes(const uint16_t *const *xb, int n, int H, uint16_t *dst) {
-    for (int c = 0; c < n; c += 16) {
-        const int mt = n - c < 16 ? n - c : 16;
-        uint32_t *d = (uint32_t *)(dst + (size_t)c * H);
-        for (int t = 0; t < mt; t++) {
-            const uint32_t *src = (const uint32_t *)xb[c + t];
-            for (int b = 0; b < H / 32; b++)
-                for (int i = 0; i < 16; i++) d[(size_t)b * 16 * mt + i * mt + t] = src[b * 16 + i];
-        }
-    }
-}
-
-/* The tile state is the thread's and anyone's (oneDNN's AMX GEMMs run on these threads): the
- * forward's parallel region starts with *cfg = -1, loads a configuration when the shapes change
- * and releases it at its end (amx_release). */
-static AMXBF16 void amx_release(void) { _tile_release(); }
-
-static AMXBF16 void amx_shape(int ar, int m0, int m1, int *cfg_key) {
-    const int key = ar | m0 << 5 | m1 << 10;
-    if (key == *cfg_key) return;
-    mx_tilecfg c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    c.rows[0] = (uint8_t)ar, c.colsb[0] = (uint16_t)(4 * m0); /* C: rows x tokens, fp32 */
-    c.rows[2] = c.rows[3] = (uint8_t)ar, c.colsb[2] = c.colsb[3] = 64; /* A, two buffers */
-    c.rows[4] = 16, c.colsb[4] = (uint16_t)(4 * m0);          /* B: 16 pairs x tokens */
-    if (m1) {
-        c.rows[1] = (uint8_t)ar, c.colsb[1] = (uint16_t)(4 * m1);
-        c.rows[5] = 16, c.colsb[5] = (uint16_t)(4 * m1);
-    }
-    _tile_loadconfig(&c);
-    *cfg_key = key;
-}
-
+#if HAVE_AMX
 /* dst[t][r] = row_r . x_t for the w13 rows [r0, r1) and the n tokens packed at xT: 16 rows and
  * 32 tokens a pass (two C tiles share each A), the A buffer double (a tile load waits for the
  * stores before it; the other buffer's are not in its way). */
-static AMXBF16 void w13_amx(const uint8_t *w, const uint8_t *s, int H, int r0, int r1, int n,
+static AMX_BF16_T void w13_amx(const uint8_t *w, const uint8_t *s, int H, int r0, int r1, int n,
                             const uint16_t *xT, float *const *dst, int *cfg_key) {
     const size_t wb = H / 2, sb = H / 32;
     const int nb = H / 32;
@@ -679,7 +624,7 @@ static AMXBF16 void w13_amx(const uint8_t *w, const uint8_t *s, int H, int r0, i
             const int m0 = n - t0 < 16 ? n - t0 : 16;
             const int m1 = n - t0 - 16 <= 0 ? 0 : (n - t0 - 16 < 16 ? n - t0 - 16 : 16);
             const uint16_t *b0 = xT + (size_t)t0 * H, *b1 = xT + (size_t)(t0 + 16) * H;
-            amx_shape(ar, m0, m1, cfg_key);
+            amx_bf16_shape(ar, m0, m1, cfg_key);
             _tile_zero(0);
             if (m1) _tile_zero(1);
             for (int b = 0; b < nb; b++) {
@@ -690,24 +635,13 @@ static AMXBF16 void w13_amx(const uint8_t *w, const uint8_t *s, int H, int r0, i
                     _mm512_store_si512(ab + j, block_bf16(wr + j * wb + 16 * b, sr[j * sb + b]));
                 if (b & 1) {
                     _tile_loadd(3, ab, 64);
-                    _tile_loadd(4, b0 + (size_t)b * 32 * m0, 4 * m0);
-                    _tile_dpbf16ps(0, 3, 4);
-                    if (m1) {
-                        _tile_loadd(5, b1 + (size_t)b * 32 * m1, 4 * m1);
-                        _tile_dpbf16ps(1, 3, 5);
-                    }
+                    AMX_BF16_BLOCK(3, b0, b1, b, m0, m1);
                 } else {
                     _tile_loadd(2, ab, 64);
-                    _tile_loadd(4, b0 + (size_t)b * 32 * m0, 4 * m0);
-                    _tile_dpbf16ps(0, 2, 4);
-                    if (m1) {
-                        _tile_loadd(5, b1 + (size_t)b * 32 * m1, 4 * m1);
-                        _tile_dpbf16ps(1, 2, 5);
-                    }
+                    AMX_BF16_BLOCK(2, b0, b1, b, m0, m1);
                 }
             }
-            _tile_stored(0, c[0], 4 * m0);
-            if (m1) _tile_stored(1, c[1], 4 * m1);
+            AMX_BF16_STORE(c, m0, m1);
             for (int h = 0; h < 2; h++) {
                 const int mt = h ? m1 : m0;
                 for (int t = 0; t < mt; t++)
@@ -727,7 +661,7 @@ static void w13_rows(const uint8_t *w, const uint8_t *s, int H, int r0, int r1, 
                      const uint16_t *xT, int *cfg, float *const *dst) {
     const size_t sb = H / 32;
     const int bf = xb && bf16_exact(s + r0 * sb, (r1 - r0) * sb, ex);
-#if MX_AMX
+#if HAVE_AMX
     if (bf && xT && n >= AMX_MIN_TOKENS) {
         w13_amx(w, s, H, r0, r1, n, xT, dst, cfg);
         __atomic_fetch_add(&g_amx_rows, r1 - r0, __ATOMIC_RELAXED);
@@ -877,12 +811,12 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
             }
         }
         /* implicit barrier: xp is complete */
-#if MX_AMX
+#if HAVE_AMX
         if (amx) { /* each expert's tokens packed for the B tiles */
 #pragma omp for schedule(static)
             for (int q = 0; q < ntouched; q++) {
                 const int e = touched[q], n = start[e + 1] - start[e];
-                if (n >= AMX_MIN_TOKENS) pack_routes(xb + start[e], n, H, xT + (size_t)start[e] * H);
+                if (n >= AMX_MIN_TOKENS) amx_pack_rows(xb + start[e], n, H, xT + (size_t)start[e] * H);
             }
         }
 #endif
@@ -917,8 +851,8 @@ int mx_moe_forward(const void *x, int x_bf16, int T, int H, int I, int k, const 
                          n, fisa, (const void *const *)(as + j0), od + j0, route_w + j0);
             }
         }
-#if MX_AMX
-        if (cfg >= 0) amx_release(); /* only where the tiles ran: its ISA is AMX's */
+#if HAVE_AMX
+        if (cfg >= 0) amx_bf16_release(); /* only where the tiles ran: its ISA is AMX's */
 #endif
     }
     free(xp); free(h); free(act); free(xs); free(as); free(hd); free(od);
