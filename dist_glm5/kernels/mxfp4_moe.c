@@ -595,8 +595,9 @@ static int bf16_exact(const uint8_t *s, size_t n, int ex) {
  * the tokens' bf16 x in xb order, dword pairs transposed, packed once a call by amx_pack_rows):
  * 512 products an instruction where vdpbf16ps does 32, so at a few tokens an expert the
  * unpacking is left and the products are not. The same exact products as the AVX512-BF16
- * kernels, summed pair by pair and block after block: another order of the fp32 additions, the
- * same for a token whatever the tokens beside it. */
+ * kernels, summed pair by pair and block after block: another order of the fp32 additions,
+ * which for a token depends on how many tokens share its expert (AMX_MIN_TOKENS), not on
+ * which. */
 /* Tokens an expert needs for its w13 to take the tiles: with one or two the unpacked block's
  * store and tile load cost more than the vdpbf16ps they save (8 experts of the small model's
  * shape, one thread, vdpbf16ps / AMX ms: 1.99 / 2.19 at 1 token, 2.29 / 2.42 at 2, 2.72 / 2.43
