@@ -128,6 +128,12 @@ def register(p: argparse.ArgumentParser) -> None:
         "rows: m2, share 1 on all rows, repeated a JSON object's keys; m3, 0.3, lost needles)",
     )
     p.add_argument(
+        "--draft-greedy",
+        action="store_true",
+        help="the draft phase trains the MTP layer on the model's own greedy continuations of "
+        "code and chat prompts (what it drafts for when serving), not on the data's rows",
+    )
+    p.add_argument(
         "--export-only",
         action="store_true",
         help="export the run's last saved step to --export and stop (gate a run as it goes)",
@@ -174,5 +180,6 @@ def run(args: argparse.Namespace) -> int:
         match_head=args.match_head,
         copy_direct=args.copy_direct,
         copy_direct_on=args.copy_direct_on,
+        draft_greedy=args.draft_greedy,
     )
     return 0

@@ -451,6 +451,31 @@ def test_unloop_loss_pushes_down_the_models_own_loop():
     assert after < before
 
 
+def test_draft_greedy_rows_are_the_prompts_and_the_models_argmax_continuations():
+    """Trainer.greedy_rows (the draft phase's rows with --draft-greedy): each prompt, then what a
+    plain argmax loop over the model's full forward writes (no cache; its own indexers, as
+    generate uses them), cut to the shortest row; the trainer's indexers are back afterwards."""
+    tr = _trainer()
+    tr.set_sparse(True)
+    prompts = [list(b"def f(x):\n    return x"), list(b"ab" * 12)]
+    rows = tr.greedy_rows(prompts)
+    assert all(
+        tr._layer(i).self_attn.indexer.forward.__func__ is td._indexer_forward for i in tr.indexers
+    )
+    want = []
+    with tr.generating() as m, torch.no_grad():
+        for p in prompts:
+            row = list(p)
+            for _ in range(unloop.CONTINUE):
+                nxt = int(m(input_ids=torch.tensor([row])).logits[0, -1].argmax())
+                row.append(nxt)
+                if nxt == unloop.EOS:
+                    break
+            want.append(row)
+    S = min(map(len, want))
+    assert rows.shape == (2, S) and rows.tolist() == [w[:S] for w in want]
+
+
 def _unloop_data(space_runs: int) -> td.Data:
     data = td.Data.__new__(td.Data)  # the corpus' text and words without loading the stdlib
     data.seed, data.tok, data.text = (

@@ -934,6 +934,19 @@ class Trainer:
                 ix.forward = types.MethodType(_indexer_forward, ix)
             self.model.train()
 
+    def greedy_rows(self, prompts: list[list[int]]) -> torch.Tensor:
+        """[len(prompts), S]: each prompt and the model's greedy continuation of it (unloop.greedy,
+        transformers' cached decoding, the indexers selecting alone), cut to the shortest row (no
+        padding for the draft to learn). The draft phase's rows with --draft-greedy: the text the
+        draft meets when it serves greedy decoding, where the data's text is another
+        distribution (p1e: agreement 0.675 teacher-forced on held-out text, 0.606 greedy)."""
+        with self.generating() as m:
+            full = [p + unloop.greedy(m, p) for p in prompts]
+        for i in self.indexers:
+            self._layer(i).self_attn.indexer.force = None
+        S = min(map(len, full))
+        return torch.tensor([f[:S] for f in full])
+
     def unloop_loss(self, prompts: list[list[int]]) -> tuple[torch.Tensor, int]:
         """The sequence-level unlikelihood loss (unloop.py) on the model's greedy continuations of
         prompts, and how many bytes of them continue a loop. One batch, the rows padded after
@@ -1232,6 +1245,7 @@ def train(
     match_head: bool = False,
     copy_direct: float = 0.0,
     copy_direct_on: str = "all",
+    draft_greedy: bool = False,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1249,7 +1263,9 @@ def train(
     of the copy loss on the induction head's share of the logits, from the base phase on
     (Trainer; 0: the committed recipe; a loss, not a shape, so a resume does not check it), on
     every row ("all") or on the documents' rows only ("docs": not chat rows, which are the rows
-    holding an assistant's id)."""
+    holding an assistant's id); draft_greedy: the draft phase trains on the model's greedy
+    continuations of code and chat prompts (Trainer.greedy_rows) instead of the data's rows (off:
+    the committed recipe; data, not a shape: a run may switch it on when it resumes)."""
     if copy_direct_on not in ("all", "docs"):
         raise ValueError(f"copy_direct_on is 'all' or 'docs', not {copy_direct_on!r}")
     from tqdm import tqdm
@@ -1296,6 +1312,8 @@ def train(
         ul = None
         if ph.unlikelihood:  # first: its forwards overwrite what the hooks keep for the others
             ul, marked = tr.unloop_loss(data.unloop_prompts(step))
+        if draft_only and draft_greedy:  # the text greedy decoding writes, nothing forced
+            ids, induction, pos = tr.greedy_rows(data.unloop_prompts(step)), None, None
         ls = tr.losses(ids, induction if sparse and not indexers_only else None, pos)
         if indexers_only:  # the indexers' own losses: the model's are not trained here
             ls["index"] = tr.index_loss(induction)
