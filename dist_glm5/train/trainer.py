@@ -1222,6 +1222,18 @@ def set_rates(opt, ph: Phase, step: int, model_steps: int, lr: float) -> None:
 
 
 # ---- the run -----------------------------------------------------------------------------------
+def step_rows(tr, data, step: int, ph: Phase, seed: int, skip_p: float, draft_greedy: bool):
+    """A step's (ids, induction targets, assistant's ids, position ids or None): the data's batch
+    (Data.batch; positions with skips when skip_p), or in the draft phase with draft_greedy the
+    model's greedy rows (Trainer.greedy_rows: nothing forced, no skips)."""
+    if ph.train == "draft" and draft_greedy:
+        return tr.greedy_rows(data.unloop_prompts(step)), None, None, None
+    (seq, batch) = ph.shape(step)
+    ids, induction, reply = data.batch(step, seq, batch, ph.mix)
+    pos = skip_positions(seed, step, batch, seq, skip_p) if skip_p else None
+    return ids, induction, reply, pos
+
+
 def train(
     out: Path,
     *,
@@ -1296,7 +1308,7 @@ def train(
     t0 = time.time()
     while step < steps:
         ph = phase_of(step, plan)
-        (seq, batch), sparse = ph.shape(step), ph.sparse
+        sparse = ph.sparse
         indexers_only, draft_only = ph.train == "indexers", ph.train == "draft"
         tr.set_sparse(sparse)
         # the direct copy loss from the base phase on: from the first step (m2a) it held the
@@ -1305,15 +1317,12 @@ def train(
         tr.copy_direct = copy_direct if ph.mix != "drill" else 0.0
         tr.freeze_model(ph.train)
         set_rates(opt, ph, step, model_steps, lr)
-        ids, induction, reply = data.batch(step, seq, batch, ph.mix)
+        ids, induction, reply, pos = step_rows(tr, data, step, ph, seed, skip_p, draft_greedy)
         tr.rows_gen.manual_seed(seed * 1_000_003 + step)
         tr.model.train()
-        pos = skip_positions(seed, step, batch, seq, skip_p) if skip_p else None
         ul = None
         if ph.unlikelihood:  # first: its forwards overwrite what the hooks keep for the others
             ul, marked = tr.unloop_loss(data.unloop_prompts(step))
-        if draft_only and draft_greedy:  # the text greedy decoding writes, nothing forced
-            ids, induction, pos = tr.greedy_rows(data.unloop_prompts(step)), None, None
         ls = tr.losses(ids, induction if sparse and not indexers_only else None, pos)
         if indexers_only:  # the indexers' own losses: the model's are not trained here
             ls["index"] = tr.index_loss(induction)
@@ -1347,12 +1356,16 @@ def train(
         if ul is not None:
             rec["marked"] = marked
         rec.update(
-            step=step, seq=seq, sparse=sparse, gn=round(gn.item(), 3), gi=round(gi.item(), 3)
+            step=step,
+            seq=ids.shape[1],
+            sparse=sparse,
+            gn=round(gn.item(), 3),
+            gi=round(gi.item(), 3),
         )
         rec["s"] = round(time.time() - t0, 1)
         logf.write(json.dumps(rec) + "\n")
         logf.flush()
-        bar.set_postfix(lm=rec["lm"], kl=rec["kl"], mtp=rec["mtp"], seq=seq)
+        bar.set_postfix(lm=rec["lm"], kl=rec["kl"], mtp=rec["mtp"], seq=ids.shape[1])
         bar.update(1)
         if step % save_every == 0 or step == steps:
             tmp = state_path.with_suffix(".tmp")
