@@ -40,6 +40,23 @@ static __attribute__((unused)) int amx_granted(void) {
     return granted;
 }
 
+/* The int8 and bf16 tiles: the CPU has them and Linux grants them. */
+static __attribute__((unused)) int amx_int8_here(void) {
+#if HAVE_AMX
+    return __builtin_cpu_supports("amx-int8") && amx_granted();
+#else
+    return 0;
+#endif
+}
+
+static __attribute__((unused)) int amx_bf16_here(void) {
+#if HAVE_AMX
+    return __builtin_cpu_supports("amx-bf16") && amx_granted();
+#else
+    return 0;
+#endif
+}
+
 /* n rows (bf16, K inputs each; row t at rows[t]) -> B's layout at dst: per 16 rows c (mt of
  * them), at dst + c * K, per block of 32 inputs a 16 x mt array of dwords whose row i holds
  * inputs 2i and 2i + 1 of each row. dst has the rows' size. */

@@ -561,13 +561,6 @@ int dsa_select_q8_vnni(int D) { return D % 4 == 0 && vnni_here(); }
  * conditions, D <= 128, H <= 64, and no test turns it off (dsa_select_no_amx). */
 static int no_amx = 0;
 void dsa_select_no_amx(int on) { no_amx = on; }
-static int amx_int8_here(void) {
-#if HAVE_AMX
-    return __builtin_cpu_supports("amx-int8") && amx_granted();
-#else
-    return 0;
-#endif
-}
 int dsa_select_q8_amx(int D, int H) {
     return !no_amx && dsa_select_q8_vnni(D) && D <= 128 && H <= 64 && amx_int8_here();
 }

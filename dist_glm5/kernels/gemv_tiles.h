@@ -283,12 +283,7 @@ static __attribute__((unused)) int amx16(int K) {
     static int on = -1;
     if (on < 0) {
         const char *e = getenv("DIST_GLM5_GEMV_AMX");
-        on = 0;
-#if HAVE_AMX
-        on = bf16dot() && __builtin_cpu_supports("amx-bf16") && !(e && *e && !strcmp(e, "0")) &&
-             amx_granted();
-#endif
-        (void)e;
+        on = bf16dot() && !(e && *e && !strcmp(e, "0")) && amx_bf16_here();
     }
     return on && K % 32 == 0;
 }

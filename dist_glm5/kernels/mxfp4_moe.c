@@ -107,15 +107,6 @@ static void init_tables(void) {
     }
 }
 
-/* The AMX path: built with it, the CPU has AMX-BF16 and Linux grants the tiles. */
-static int amx_bf16_here(void) {
-#if HAVE_AMX
-    return __builtin_cpu_supports("amx-bf16") && amx_granted();
-#else
-    return 0;
-#endif
-}
-
 static int best_isa(void) {
 #ifdef MX_X86
     __builtin_cpu_init();
