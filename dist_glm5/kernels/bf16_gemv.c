@@ -74,6 +74,18 @@ CLONES static void silu_mul_bf16(const uint16_t *gu, int I, uint16_t *a16, float
  * loop's whatever the thread count. */
 enum { GROUP = 8 }; /* touched experts per phase: batch 1's 8 in one */
 
+/* Each of a phase's ng experts' routes' rows of src (K wide; the expert's first route at
+ * first[te[q]] - base) packed for the AMX B tiles at the same place in dst. A worksharing loop
+ * without its own region: called by every thread of bf16_experts' region. */
+static void pack_experts(const uint16_t *src, int K, const int *te, int ng, const int *first,
+                         int base, uint16_t *dst) {
+#pragma omp for schedule(static)
+    for (int q = 0; q < ng; q++) {
+        const int64_t a = first[te[q]] - base;
+        amx_pack(src + a * K, first[te[q] + 1] - first[te[q]], K, dst + a * K);
+    }
+}
+
 CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int32_t *ids,
                         const float *tw, int e_min, int E, const uint16_t *w13, const uint16_t *w2,
                         uint16_t *out, int nthreads) {
@@ -133,13 +145,7 @@ CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int
             else
                 for (int h = 0; h < H; h++) xf[(int64_t)j * H + h] = bf16_to_f32(xr[h]);
         }
-        if (amx) { /* each expert's rows of x, packed for the B tiles */
-#pragma omp for schedule(static)
-            for (int q = 0; q < ng; q++) {
-                const int a = first[te[q]] - base, n = first[te[q] + 1] - first[te[q]];
-                amx_pack(x16 + (int64_t)a * H, n, H, xT + (int64_t)a * H);
-            }
-        }
+        if (amx) pack_experts(x16, H, te, ng, first, base, xT);
 #pragma omp for schedule(static)
         for (int it = 0; it < ng * q13; it++) { /* gate and up: g16 [route, 2I] */
             const int e = te[it / q13], a = first[e] - base, n = first[e + 1] - first[e];
@@ -160,13 +166,7 @@ CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int
         for (int j = 0; j < Rl; j++) /* act = silu(gate) * up, rounded as torch rounds */
             silu_mul_bf16(g16 + (int64_t)j * 2 * I, I, bd ? a16 + (int64_t)j * I : NULL,
                           act + (int64_t)j * I);
-        if (amx) {
-#pragma omp for schedule(static)
-            for (int q = 0; q < ng; q++) {
-                const int a = first[te[q]] - base, n = first[te[q] + 1] - first[te[q]];
-                amx_pack(a16 + (int64_t)a * I, n, I, aT + (int64_t)a * I);
-            }
-        }
+        if (amx) pack_experts(a16, I, te, ng, first, base, aT);
 #pragma omp for schedule(static)
         for (int it = 0; it < ng * q2; it++) { /* down: y16 [route, H] */
             const int e = te[it / q2], a = first[e] - base, n = first[e + 1] - first[e];
