@@ -428,7 +428,7 @@ def test_bf16_path_matches_oracle_and_the_avx512_path(bf16_isa, H, I, T):
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
     ids, tw = routes(T, k, emin - 2, emin + E + 1, seed=T)
     got = fused_fp32(x, ids, tw, w, emin, emin + E - 1)
-    bf16_rows, fp32_rows, amx_rows = K._w13_counts()
+    bf16_rows, fp32_rows, amx_rows = K.w13_counts()
     assert bf16_rows > 0 and fp32_rows == 0, (bf16_rows, fp32_rows)
     # on AMX the experts with at least 3 tokens (mxfp4_moe.c AMX_MIN_TOKENS), their 2I rows
     local = ids[(ids >= emin) & (ids < emin + E)].long() - emin

@@ -98,18 +98,13 @@ def set_isa(isa: str | None = None) -> str:
 
 def w13_rows() -> tuple[int, int]:
     """(bf16, fp32): the gate/up rows computed by the AVX512-BF16 kernels (or AMX tiles) and by
-    the fp32 ones since the last call (process-wide counts, then reset; amx_rows too). For
-    tests: which path ran."""
-    return _w13_counts()[:2]
+    the fp32 ones since the last call (w13_counts' first two). For tests: which path ran."""
+    return w13_counts()[:2]
 
 
-def amx_rows() -> int:
-    """Of the bf16 gate/up rows since the last call (w13_rows), those on the AMX tiles (both
-    counts reset). For tests."""
-    return _w13_counts()[2]
-
-
-def _w13_counts() -> tuple[int, int, int]:
+def w13_counts() -> tuple[int, int, int]:
+    """(bf16, fp32, amx): w13_rows' counts and, of the bf16 rows, those on the AMX tiles, since
+    the last call (process-wide counts, then reset). For tests."""
     lib = _kernel.get()
     if lib is None:
         raise RuntimeError("the MXFP4 MoE kernel is not available")
