@@ -934,16 +934,22 @@ class Trainer:
                 ix.forward = types.MethodType(_indexer_forward, ix)
             self.model.train()
 
+    def greedy_continuations(self, prompts: list[list[int]]) -> list[list[int]]:
+        """The model's greedy continuation of each prompt (unloop.greedy: transformers' cached
+        decoding with its own indexers; the trainer's are back after, nothing forced)."""
+        with self.generating() as m:
+            conts = [unloop.greedy(m, p) for p in prompts]
+        for i in self.indexers:
+            self._layer(i).self_attn.indexer.force = None
+        return conts
+
     def greedy_rows(self, prompts: list[list[int]]) -> torch.Tensor:
         """[len(prompts), S]: each prompt and the model's greedy continuation of it (unloop.greedy,
         transformers' cached decoding, the indexers selecting alone), cut to the shortest row (no
         padding for the draft to learn). The draft phase's rows with --draft-greedy: the text the
         draft meets when it serves greedy decoding, where the data's text is another
         distribution (p1e: agreement 0.675 teacher-forced on held-out text, 0.606 greedy)."""
-        with self.generating() as m:
-            full = [p + unloop.greedy(m, p) for p in prompts]
-        for i in self.indexers:
-            self._layer(i).self_attn.indexer.force = None
+        full = [p + c for p, c in zip(prompts, self.greedy_continuations(prompts))]
         S = min(map(len, full))
         return torch.tensor([f[:S] for f in full])
 
@@ -952,11 +958,7 @@ class Trainer:
         prompts, and how many bytes of them continue a loop. One batch, the rows padded after
         their end (nothing there is marked), no forced keys (the indexers select alone, as they
         serve)."""
-        with self.generating() as m:
-            conts = [unloop.greedy(m, p) for p in prompts]
-        for i in self.indexers:
-            self._layer(i).self_attn.indexer.force = None
-        full = [pr + c for pr, c in zip(prompts, conts)]
+        full = [pr + c for pr, c in zip(prompts, self.greedy_continuations(prompts))]
         S = max(map(len, full))
         rows = [f + [unloop.EOS] * (S - len(f)) for f in full]
         marks = [
