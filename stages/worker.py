@@ -237,7 +237,10 @@ class StageWorker:
             outputs.append(out)
             if m.has_mtp:
                 n_valid = len(w.tokens) - int(rejected)
-                actual = w.tokens[:n_valid] + (emitted if w.sample else [w.lookahead])
+                # the tokens at the valid rows' positions and the one after them: an accepted
+                # draft is both w.tokens[1] and emitted[0], and its row's next token is the bonus
+                # (emitted[-1]); with all of `emitted` appended that row read the draft again
+                actual = w.tokens[:n_valid] + ([emitted[-1]] if w.sample else [w.lookahead])
                 if None in actual:
                     raise ValueError(
                         f"sequence {w.seq_id}: a non-final prefill chunk needs its lookahead token "

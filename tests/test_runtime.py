@@ -8,6 +8,7 @@ import torch
 from runtime_util import coordinator, prompts
 
 from dist_glm5.backends import get_backend
+from dist_glm5.model.kv_cache import Chunk
 from dist_glm5.model.reference_loop import generate
 from dist_glm5.ops.linear import native_bf16_gemm
 from dist_glm5.sampling.params import SamplingParams
@@ -81,6 +82,52 @@ def test_mtp_accept_and_reject_paths_keep_greedy_output(default_model_dir, refer
     acc = c.stats.acceptance
     assert 0.2 < acc < 0.9, acc  # both paths taken
     assert c.stats.steps < sum(len(w) for w in want)  # accepted drafts saved steps
+
+
+class RecordedDrafts(OracleDrafts):
+    """OracleDrafts' proposals (accepts and rejects in a fixed pattern), keeping the MTP layer's
+    logits each proposal was made from: (sequence, output tokens so far, logits)."""
+
+    seen: list = []
+
+    def propose(self, seq_id, st, mtp_logits):
+        self.seen.append((seq_id, len(st.history), mtp_logits.clone()))
+        return super().propose(seq_id, st, mtp_logits)
+
+
+def _mtp_one_shot(m, tokens):
+    """The model over tokens[:-1] in one pass, then the MTP layer at the same positions with the
+    tokens that follow them (tokens[1:]): row q proposes token q + 2."""
+    n = len(tokens) - 1
+    cache = m.new_cache(n // 16 + 2, 16)
+    with torch.no_grad():
+        b = cache.prepare([Chunk(0, 0, n)])
+        h, _ = m(torch.tensor(tokens[:n]), b, cache)
+        return m.mtp_logits(m.mtp_forward(torch.tensor(tokens[1:]), m.final_norm(h), b, cache))
+
+
+def test_every_draft_reads_the_token_that_follows_its_row(
+    default_model_dir, default_model, reference
+):
+    """Served, the MTP layer's last kept row (position q) must read token q + 1, as in training
+    (row i reads h_i and t_{i+1}). After an accepted draft that token is the bonus; the worker
+    gave that row the draft a second time, so the draft after every accepted one was made from
+    the wrong token (the trained m3 accepted 0.38 of its drafts served and 0.66 teacher-forced on
+    the same text). Oracle: the MTP pass over the finished sequence in one shot."""
+    ps, want = reference
+    RecordedDrafts.truth, RecordedDrafts.seen = dict(enumerate(want)), []
+    c = coordinator(default_model_dir, mtp=True, worker_cls=RecordedDrafts, dtype="float32")
+    assert [s.output for s in c.run(ps, GREEDY)] == want
+    after_accept, last = 0, {}
+    for sid, n, lg in RecordedDrafts.seen:
+        after_accept += n - last.get(sid, n) == 2  # two tokens came: the draft and the bonus
+        last[sid] = n
+    assert after_accept >= 5, after_accept  # the path the bug was on ran
+    for i, (p, w) in enumerate(zip(ps, want)):
+        full = _mtp_one_shot(default_model, p + w)
+        for sid, n, lg in RecordedDrafts.seen:
+            if sid == i and n < len(w):  # the proposal of output token n, from row L + n - 2
+                torch.testing.assert_close(lg, full[len(p) + n - 2], rtol=0, atol=1e-4)
 
 
 def test_chunked_prefill_and_microbatches_change_nothing(default_model_dir, reference):
