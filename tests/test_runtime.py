@@ -119,7 +119,7 @@ def test_every_draft_reads_the_token_that_follows_its_row(
     c = coordinator(default_model_dir, mtp=True, worker_cls=RecordedDrafts, dtype="float32")
     assert [s.output for s in c.run(ps, GREEDY)] == want
     after_accept, last = 0, {}
-    for sid, n, lg in RecordedDrafts.seen:
+    for sid, n, _ in RecordedDrafts.seen:
         after_accept += n - last.get(sid, n) == 2  # two tokens came: the draft and the bonus
         last[sid] = n
     assert after_accept >= 5, after_accept  # the path the bug was on ran
