@@ -307,7 +307,14 @@ class StageWorker:
         return out
 
     def _sample_one(
-        self, w: SeqWork, hn: torch.Tensor, a: int, b: int, lg_all, i: int, argmax: int | tuple
+        self,
+        w: SeqWork,
+        hn: torch.Tensor,
+        a: int,
+        b: int,
+        lg_all,
+        i: int,
+        argmax: int | tuple | None,
     ):
         """One sequence's rows [a, b) of the normed hidden: its prompt logprobs, its sampled
         token(s) or draft verification -> (output, emitted, draft rejected, state). lg_all[i:]:
