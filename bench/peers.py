@@ -38,6 +38,7 @@ import json
 import logging
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -77,7 +78,12 @@ EXPERTS = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight")
 
 
 class PeerFailed(RuntimeError):
-    """A step of the llama.cpp side failed; the message names the command and its output."""
+    """A step of the llama.cpp side failed; the message names the command and its output.
+    returncode: the command's (negative: the signal that killed it), None if it never ran."""
+
+    def __init__(self, msg: str, returncode: int | None = None):
+        super().__init__(msg)
+        self.returncode = returncode
 
 
 def _run(cmd: list, log_file: Path | None = None) -> str:
@@ -99,8 +105,25 @@ def _run(cmd: list, log_file: Path | None = None) -> str:
     if r.returncode:
         tail = "\n".join(text.strip().splitlines()[-25:])
         where = f" (full output: {log_file})" if log_file else ""
-        raise PeerFailed(f"{shown}\n  exit {r.returncode}{where}; last lines:\n{tail}")
+        code = f"exit {r.returncode}"
+        if r.returncode < 0:  # killed: name the signal (SIGILL: an instruction this CPU lacks)
+            code += f" (killed by {signal.Signals(-r.returncode).name})"
+        raise PeerFailed(f"{shown}\n  {code}{where}; last lines:\n{tail}", r.returncode)
     return out
+
+
+def _run_llama(cmd: list, repack_off: list) -> tuple[str, bool]:
+    """cmd's stdout, and whether llama.cpp's weight repacking had to go off: where its repacked
+    kernels die with SIGILL (b11434's AMX Q8_0 kernel does on our Intel Xeon VM: `tilezero` in
+    `tinygemm_kernel_amx`, the MXFP4_MOE file's Q8_0 weights), cmd again with repack_off, the
+    tool's flag for it, as a user of this CPU would run it."""
+    try:
+        return _run(cmd), False
+    except PeerFailed as e:
+        if e.returncode != -signal.SIGILL:
+            raise
+        log.warning("llama.cpp died with SIGILL; again with %s: %s", " ".join(repack_off), e)
+        return _run(cmd + repack_off), True
 
 
 def llama_root() -> Path:
@@ -342,30 +365,40 @@ def parse_batched_bench(text: str) -> list[dict]:
     return rows
 
 
+BENCH_NO_REPACK, BATCHED_NO_REPACK = ["--repack", "0"], ["--no-repack"]  # _run_llama
+
+
 def llama_measure(bin_: Path, f: Path, threads: int, args, log_dir: Path) -> dict:
-    out = _run(
+    """llama-bench's and llama-batched-bench's rows for file f; "repack_off": whether a tool ran
+    with llama.cpp's weight repacking off (_run_llama)."""
+    out, off = _run_llama(
         [bin_ / "llama-bench", "-m", f, "-t", threads, "-r", args.repeats, "-o", "json"]
         # depth 0 as well: the prefill row is a prefill from an empty context, as ours is
         + ["-p", PROMPT, "-n", NEW, "-d", ",".join(map(str, sorted({0, *args.depths})))],
+        BENCH_NO_REPACK,
     )
     (log_dir / f"llama-bench-{f.stem}-t{threads}.json").write_text(out)
-    res = {"bench": parse_llama_bench(out), "batched": []}
+    res = {"bench": parse_llama_bench(out), "batched": [], "repack_off": off}
     longer = sorted({n for n in args.prefills if n != PROMPT})
     if longer:  # prefill only (-n 0), from an empty context: no decode rows at every depth
-        out = _run(
+        out, off = _run_llama(
             [bin_ / "llama-bench", "-m", f, "-t", threads, "-r", args.repeats, "-o", "json"]
             + ["-p", ",".join(map(str, longer)), "-n", 0, "-d", 0],
+            BENCH_NO_REPACK,
         )
         (log_dir / f"llama-bench-prefill-{f.stem}-t{threads}.json").write_text(out)
         res["bench"] += parse_llama_bench(out)
+        res["repack_off"] |= off
     if args.batches:
         ctx = max(8192, max(args.batches) * (PROMPT + NEW))
-        out = _run(
+        out, off = _run_llama(
             [bin_ / "llama-batched-bench", "-m", f, "-c", ctx, "-t", threads]
             + ["-npp", PROMPT, "-ntg", NEW, "-npl", ",".join(map(str, args.batches))],
+            BATCHED_NO_REPACK,
         )
         (log_dir / f"batched-bench-{f.stem}-t{threads}.txt").write_text(out)
         res["batched"] = parse_batched_bench(out)
+        res["repack_off"] |= off
     return res
 
 
@@ -530,6 +563,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
     res["table"] = table(res, args)
     report(res["table"])
+    for nt, per in res["threads"].items():
+        for fmt, lc in per["llama"].items():
+            if lc.get("repack_off"):
+                print(
+                    f"llama.cpp's {fmt} file at {nt} thread(s) ran with its weight repacking off "
+                    "(llama-bench --repack 0, llama-batched-bench --no-repack): repacked, it died "
+                    "with SIGILL on this CPU"
+                )
     if args.output:
         Path(args.output).write_text(json.dumps(res, indent=1))
     return 0

@@ -4,8 +4,11 @@ llama.cpp's converter requires of it) and the parsers of llama-bench / llama-bat
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
+from dist_glm5.bench import peers
 from dist_glm5.bench.peers import (
     GLM_SPECIALS,
     PeerFailed,
@@ -251,3 +254,21 @@ def test_best_of_keeps_each_sides_faster_round_per_row():
     assert m["ours"]["mxfp4"] == {"decode_tok_s": 120.0, "batched": {8: 300.0, 32: 520.0}}
     assert m["llama"]["bf16"]["bench"] == [{"tok_s": 90.0, "depth": 128}]
     assert m["llama"]["bf16"]["batched"] == [{"s_tg": 210.0}]
+
+
+def test_a_llama_tool_killed_by_sigill_runs_again_with_repacking_off():
+    """b11434's AMX Q8_0 kernel dies with SIGILL on our Intel Xeon VM (the MXFP4_MOE file's Q8_0
+    weights); the bench runs the tool again with its repacking flag and says so. A stand-in tool
+    that kills itself with SIGILL unless given the flag; other failures still stop the bench,
+    with the signal named."""
+    tool = (
+        "import os, signal, sys\n"
+        "if '--off' not in sys.argv: os.kill(os.getpid(), signal.SIGILL)\n"
+        "print('rows')"
+    )
+    assert peers._run_llama([sys.executable, "-c", tool], ["--off"]) == ("rows\n", True)
+    ok = [sys.executable, "-c", "print('rows')"]
+    assert peers._run_llama(ok, ["--off"]) == ("rows\n", False)
+    segv = "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)"
+    with pytest.raises(peers.PeerFailed, match="killed by SIGSEGV"):
+        peers._run_llama([sys.executable, "-c", segv], ["--off"])
