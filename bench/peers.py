@@ -112,17 +112,22 @@ def _run(cmd: list, log_file: Path | None = None) -> str:
     return out
 
 
+# the signals llama.cpp's repacked (AMX) kernels die with on our Intel Xeon VM (b11434, the
+# MXFP4_MOE file's Q8_0 weights): SIGILL at `tilezero` in `tinygemm_kernel_amx`, and SIGSEGV in
+# `ggml_backend_amx_mul_mat` with two threads
+REPACK_DEATHS = (-signal.SIGILL, -signal.SIGSEGV)
+
+
 def _run_llama(cmd: list, repack_off: list) -> tuple[str, bool]:
-    """cmd's stdout, and whether llama.cpp's weight repacking had to go off: where its repacked
-    kernels die with SIGILL (b11434's AMX Q8_0 kernel does on our Intel Xeon VM: `tilezero` in
-    `tinygemm_kernel_amx`, the MXFP4_MOE file's Q8_0 weights), cmd again with repack_off, the
-    tool's flag for it, as a user of this CPU would run it."""
+    """cmd's stdout, and whether llama.cpp's weight repacking had to go off: where the tool dies
+    with one of REPACK_DEATHS, cmd again with repack_off, the tool's flag for it, as a user of
+    this CPU would run it (a second death stops the bench)."""
     try:
         return _run(cmd), False
     except PeerFailed as e:
-        if e.returncode != -signal.SIGILL:
+        if e.returncode not in REPACK_DEATHS:
             raise
-        log.warning("llama.cpp died with SIGILL; again with %s: %s", " ".join(repack_off), e)
+        log.warning("llama.cpp was killed; again with %s: %s", " ".join(repack_off), e)
         return _run(cmd + repack_off), True
 
 
@@ -568,8 +573,8 @@ def run(args: argparse.Namespace) -> int:
             if lc.get("repack_off"):
                 print(
                     f"llama.cpp's {fmt} file at {nt} thread(s) ran with its weight repacking off "
-                    "(llama-bench --repack 0, llama-batched-bench --no-repack): repacked, it died "
-                    "with SIGILL on this CPU"
+                    "(llama-bench --repack 0, llama-batched-bench --no-repack): repacked, its "
+                    "AMX kernels were killed (SIGILL or SIGSEGV) on this CPU"
                 )
     if args.output:
         Path(args.output).write_text(json.dumps(res, indent=1))

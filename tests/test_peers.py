@@ -257,10 +257,10 @@ def test_best_of_keeps_each_sides_faster_round_per_row():
 
 
 def test_a_llama_tool_killed_by_sigill_runs_again_with_repacking_off():
-    """b11434's AMX Q8_0 kernel dies with SIGILL on our Intel Xeon VM (the MXFP4_MOE file's Q8_0
-    weights); the bench runs the tool again with its repacking flag and says so. A stand-in tool
-    that kills itself with SIGILL unless given the flag; other failures still stop the bench,
-    with the signal named."""
+    """b11434's AMX Q8_0 kernels die with SIGILL (or SIGSEGV) on our Intel Xeon VM (the
+    MXFP4_MOE file's Q8_0 weights); the bench runs the tool again with its repacking flag and
+    says so. A stand-in tool that kills itself unless given the flag; other failures still stop
+    the bench, with the signal named."""
     tool = (
         "import os, signal, sys\n"
         "if '--off' not in sys.argv: os.kill(os.getpid(), signal.SIGILL)\n"
@@ -269,6 +269,9 @@ def test_a_llama_tool_killed_by_sigill_runs_again_with_repacking_off():
     assert peers._run_llama([sys.executable, "-c", tool], ["--off"]) == ("rows\n", True)
     ok = [sys.executable, "-c", "print('rows')"]
     assert peers._run_llama(ok, ["--off"]) == ("rows\n", False)
-    segv = "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)"
+    abort = "import os, signal\nos.kill(os.getpid(), signal.SIGABRT)"
+    with pytest.raises(peers.PeerFailed, match="killed by SIGABRT"):
+        peers._run_llama([sys.executable, "-c", abort], ["--off"])
+    again = "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)"  # with the flag too
     with pytest.raises(peers.PeerFailed, match="killed by SIGSEGV"):
-        peers._run_llama([sys.executable, "-c", segv], ["--off"])
+        peers._run_llama([sys.executable, "-c", again], ["--off"])
