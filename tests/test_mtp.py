@@ -15,6 +15,7 @@ import json
 
 import pytest
 import torch
+from runtime_util import mtp_one_shot
 
 from dist_glm5.checkpoint.safetensors_io import Checkpoint
 from dist_glm5.model.kv_cache import Chunk
@@ -103,24 +104,12 @@ def reference(default_model_dir, tmp_path_factory):
     return mtp_logits
 
 
-def _ours_one_shot(m, tokens):
-    """Main forward over tokens[:-1], then MTP rows at the same positions with next ids
-    tokens[1:]."""
-    n = len(tokens) - 1
-    cache = m.new_cache(16, 16)
-    with torch.no_grad():
-        b = cache.prepare([Chunk(0, 0, n)])
-        h, _ = m(torch.tensor(tokens[:n]), b, cache)
-        hm = m.mtp_forward(torch.tensor(tokens[1:]), m.final_norm(h), b, cache)
-        return m.mtp_logits(hm)
-
-
 def test_mtp_matches_independent_reference(default_model, reference):
     tokens = torch.randint(
         0, 256, (90,), generator=torch.Generator().manual_seed(3)
     ).tolist()  # > index_topk
     want = reference(tokens)
-    got = _ours_one_shot(default_model, tokens)
+    got = mtp_one_shot(default_model, tokens)
     err = (got - want).abs().max().item()
     assert err <= 1e-4, f"MTP logits differ by {err:.2e}"
 
@@ -128,7 +117,7 @@ def test_mtp_matches_independent_reference(default_model, reference):
 def test_mtp_incremental_equals_one_shot(default_model):
     m = default_model
     tokens = torch.randint(0, 256, (81,), generator=torch.Generator().manual_seed(4)).tolist()
-    full = _ours_one_shot(m, tokens)
+    full = mtp_one_shot(m, tokens)
     cache = m.new_cache(16, 16)
     got = []
     with torch.no_grad():

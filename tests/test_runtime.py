@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_util import coordinator, prompts
+from runtime_util import coordinator, mtp_one_shot, prompts
 
 from dist_glm5.backends import get_backend
-from dist_glm5.model.kv_cache import Chunk
 from dist_glm5.model.reference_loop import generate
 from dist_glm5.ops.linear import native_bf16_gemm
 from dist_glm5.sampling.params import SamplingParams
@@ -95,17 +94,6 @@ class RecordedDrafts(OracleDrafts):
         return super().propose(seq_id, st, mtp_logits)
 
 
-def _mtp_one_shot(m, tokens):
-    """The model over tokens[:-1] in one pass, then the MTP layer at the same positions with the
-    tokens that follow them (tokens[1:]): row q proposes token q + 2."""
-    n = len(tokens) - 1
-    cache = m.new_cache(n // 16 + 2, 16)
-    with torch.no_grad():
-        b = cache.prepare([Chunk(0, 0, n)])
-        h, _ = m(torch.tensor(tokens[:n]), b, cache)
-        return m.mtp_logits(m.mtp_forward(torch.tensor(tokens[1:]), m.final_norm(h), b, cache))
-
-
 def test_every_draft_reads_the_token_that_follows_its_row(
     default_model_dir, default_model, reference
 ):
@@ -124,7 +112,7 @@ def test_every_draft_reads_the_token_that_follows_its_row(
         last[sid] = n
     assert after_accept >= 5, after_accept  # the path the bug was on ran
     for i, (p, w) in enumerate(zip(ps, want)):
-        full = _mtp_one_shot(default_model, p + w)
+        full = mtp_one_shot(default_model, p + w)
         for sid, n, lg in RecordedDrafts.seen:
             if sid == i and n < len(w):  # the proposal of output token n, from row L + n - 2
                 torch.testing.assert_close(lg, full[len(p) + n - 2], rtol=0, atol=1e-4)
