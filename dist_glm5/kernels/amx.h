@@ -40,19 +40,17 @@ static __attribute__((unused)) int amx_granted(void) {
     return granted;
 }
 
-/* The int8 and bf16 tiles: the CPU has them and Linux grants them. */
-static __attribute__((unused)) int amx_int8_here(void) {
-#if HAVE_AMX
-    return __builtin_cpu_supports("amx-int8") && amx_granted();
-#else
-    return 0;
-#endif
-}
+/* The int8 or bf16 tiles: the CPU has them and Linux grants them (__builtin_cpu_supports takes
+ * a literal, hence the branch). */
+enum amx_kind { AMX_INT8, AMX_BF16 };
 
-static __attribute__((unused)) int amx_bf16_here(void) {
+static __attribute__((unused)) int amx_here(enum amx_kind kind) {
 #if HAVE_AMX
-    return __builtin_cpu_supports("amx-bf16") && amx_granted();
+    const int has = kind == AMX_BF16 ? __builtin_cpu_supports("amx-bf16")
+                                     : __builtin_cpu_supports("amx-int8");
+    return has && amx_granted();
 #else
+    (void)kind;
     return 0;
 #endif
 }

@@ -562,7 +562,7 @@ int dsa_select_q8_vnni(int D) { return D % 4 == 0 && vnni_here(); }
 static int no_amx = 0;
 void dsa_select_no_amx(int on) { no_amx = on; }
 int dsa_select_q8_amx(int D, int H) {
-    return !no_amx && dsa_select_q8_vnni(D) && D <= 128 && H <= 64 && amx_int8_here();
+    return !no_amx && dsa_select_q8_vnni(D) && D <= 128 && H <= 64 && amx_here(AMX_INT8);
 }
 /* The AVX512-BF16 path for bf16 keys: the CPU has it (and VNNI, for the transpose's target), D is
  * even and no test forces the portable path. */

@@ -285,7 +285,7 @@ static __attribute__((unused)) int amx16(int K) {
     static int on = -1;
     if (on < 0) {
         const char *e = getenv("DIST_GLM5_GEMV_AMX");
-        on = bf16dot() && !(e && *e && !strcmp(e, "0")) && amx_bf16_here();
+        on = bf16dot() && !(e && *e && !strcmp(e, "0")) && amx_here(AMX_BF16);
     }
     return on && K % 32 == 0;
 }

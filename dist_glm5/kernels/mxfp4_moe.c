@@ -114,7 +114,7 @@ static int best_isa(void) {
         if (!(__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
               __builtin_cpu_supports("avx512bf16")))
             return ISA_AVX512;
-        return amx_bf16_here() ? ISA_AMX : ISA_AVX512BF16;
+        return amx_here(AMX_BF16) ? ISA_AMX : ISA_AVX512BF16;
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
 #endif
