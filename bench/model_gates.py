@@ -371,6 +371,13 @@ def summary(res: dict) -> str:
             f"{m['greedy_step_cost_ratio']}x: pays past {m['greedy_break_even_acceptance']})"
         )
         line("mtp", fig, ">= 0.75, > 1x")
+        if "greedy_draft_kinds" in m:  # what the acceptance is made of (teacher-forced)
+            dk = m["greedy_draft_kinds"]
+            kinds = ", ".join(
+                f"{k} {v['agreement']} ({v['share']:.0%} of drafts)"
+                for k, v in dk["by_kind"].items()
+            )
+            lines.append(f"{'':13}teacher-forced {dk['agreement']}: {kinds}")
     return "\n".join(lines)
 
 

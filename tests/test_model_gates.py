@@ -63,3 +63,19 @@ def test_other_needle_counts_misses_that_begin_as_another_needles_value():
     assert other_needle(["dutu9e", "dutu9e", "a284fv"], answers) == 1
     assert other_needle(["nifxr]", "dutu9e", "a2"], answers) == 0  # copied wrong, not swapped
     assert other_needle(answers, answers) == 0
+
+
+def test_draft_tally_pairs_each_output_token_with_the_row_that_drafted_it():
+    from dist_glm5.bench.quality import draft_tally, token_kind
+
+    token_bytes = [bytes([i]) for i in range(256)] + [b"    "]  # id 256: a run of 4 spaces
+    assert [token_kind(token_bytes[t]) for t in (32, 256, 10, 65)] == [
+        "space", "space", "newline", "other"
+    ]  # fmt: skip
+    # prompt 5 6 7, output 32 10 65 256: the first output token comes from the prefill (no
+    # draft); token q (q >= 4) is drafted by row q - 2
+    tokens = [5, 6, 7, 32, 10, 65, 256]
+    draft = [0, 0, 10, 99, 256, 0]  # row 2 says 10 (right), row 3 99 (not 65), row 4 256 (right)
+    assert draft_tally(3, tokens, draft, token_bytes) == {
+        "newline": [1, 1], "other": [1, 0], "space": [1, 1]
+    }  # fmt: skip
