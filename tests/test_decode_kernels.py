@@ -326,6 +326,10 @@ def test_router_kernel_breaks_ties_to_the_lower_expert():
     W = torch.zeros(8, 16)  # every score sigmoid(0) = 0.5
     w, ids = router.route(torch.ones(1, 16), W, torch.zeros(8), 3, 1, 1, True, 1.0)
     assert ids.tolist() == [[0, 1, 2]] and torch.allclose(w, torch.full((1, 3), 1 / 3))
+    # ties among the best and across the k-th place: choice order, lower id first in each tie
+    bias = torch.tensor([0, 0.1, 0.2, 0, 0, 0.2, 0, 0.1])
+    _, ids = router.route(torch.ones(1, 16), W, bias, 3, 1, 1, True, 1.0)
+    assert ids.tolist() == [[2, 5, 1]]
 
 
 def test_bench_mla_decode_measures_the_kernel_beside_its_torch_form(tmp_path):

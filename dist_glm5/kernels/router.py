@@ -14,7 +14,7 @@ import torch
 from .build import Lazy
 
 SOURCE = Path(__file__).with_name("router.c")
-ROWS = 16  # tokens per call at most; more go to the reference (torch's GEMM was faster at 32)
+ROWS = 16  # tokens per call at most; more go to the reference (torch's GEMM is as fast at 32)
 
 
 def _signatures(lib: ctypes.CDLL) -> None:
