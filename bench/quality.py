@@ -303,7 +303,7 @@ def draft_agreement(model_dir, prompts, outputs) -> dict:
         "by_kind": {
             k: {"share": round(d / total, 3), "agreement": round(a / max(1, d), 3)}
             for k, (d, a) in sorted(tally.items())
-        },  # fmt: skip
+        },
     }
 
 

@@ -21,9 +21,9 @@
 enum { MAX_E = 1024, MAX_G = 64 };
 
 /* S[t, e] = sigmoid(x_t . W_e) for the nb tokens from t0 (nb a constant where inlined: the
- * accumulators stay in registers). The expert row's loads serve nb tokens (one token at a time
- * read two values a product and was slower than torch's GEMM at 8 rows); each token's dot keeps
- * its own four chains in one order, so its bits do not depend on the tokens beside it. */
+ * accumulators stay in registers). The expert row's loads serve nb tokens (32 tokens' dots
+ * 109 -> 90 us at 64 x 1024 against one token at a time); each token's dot keeps its own four
+ * chains in one order, so its bits do not depend on the tokens beside it. */
 enum { NB = 4 };
 static inline __attribute__((always_inline)) void dots(const float *we, const float *xf, int H,
                                                        int H8, int t0, const int nb, float *S,
