@@ -279,20 +279,14 @@ def draft_agreement(model_dir, prompts, outputs) -> dict:
     (the shipped model, session 28: 0.976 on spaces, half its greedy tokens, 0.649 on the rest)."""
     from dist_glm5.checkpoint.loader import load_model
     from dist_glm5.model.dsa_config import DSAConfig
-    from dist_glm5.model.kv_cache import Chunk
+    from dist_glm5.model.reference_loop import mtp_one_shot
 
     m = load_model(model_dir, ops=get_backend("cpu").ops(), dsa=DSAConfig(mode="sparse"))
     token_bytes = Ids(model_dir).token_bytes
     tally: dict = {}
     for p, o in zip(prompts, outputs):
         toks = list(p) + list(o)
-        n = len(toks) - 1
-        cache = m.new_cache(n // 16 + 2, 16)
-        with torch.no_grad():
-            b = cache.prepare([Chunk(0, 0, n)])
-            h, _ = m(torch.tensor(toks[:n]), b, cache)
-            hm = m.mtp_forward(torch.tensor(toks[1:]), m.final_norm(h), b, cache)
-            draft = m.mtp_logits(hm).argmax(-1).tolist()
+        draft = mtp_one_shot(m, toks).argmax(-1).tolist()
         for k, (d, a) in draft_tally(len(p), toks, draft, token_bytes).items():
             c = tally.setdefault(k, [0, 0])
             c[0], c[1] = c[0] + d, c[1] + a

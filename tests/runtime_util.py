@@ -13,7 +13,6 @@ from dist_glm5.engine.config import CacheConfig, EngineConfig, StageSpec
 from dist_glm5.engine.coordinator import Coordinator
 from dist_glm5.engine.scheduler import SchedulerConfig
 from dist_glm5.model.config import ModelConfig
-from dist_glm5.model.kv_cache import Chunk
 from dist_glm5.stages.inprocess_pipeline import InProcessPipeline
 
 
@@ -73,14 +72,3 @@ def coordinator(
     return Coordinator(
         pipe, engine.scheduler, cfg.eos_token_id, cfg.vocab_size, load_tokenizer(model_dir)
     )
-
-
-def mtp_one_shot(m, tokens):
-    """The model over tokens[:-1] in one pass, then the MTP layer at the same positions with the
-    tokens that follow them (tokens[1:]): row q proposes token q + 2."""
-    n = len(tokens) - 1
-    cache = m.new_cache(n // 16 + 2, 16)
-    with torch.no_grad():
-        b = cache.prepare([Chunk(0, 0, n)])
-        h, _ = m(torch.tensor(tokens[:n]), b, cache)
-        return m.mtp_logits(m.mtp_forward(torch.tensor(tokens[1:]), m.final_norm(h), b, cache))

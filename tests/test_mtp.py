@@ -15,10 +15,10 @@ import json
 
 import pytest
 import torch
-from runtime_util import mtp_one_shot
 
 from dist_glm5.checkpoint.safetensors_io import Checkpoint
 from dist_glm5.model.kv_cache import Chunk
+from dist_glm5.model.reference_loop import mtp_one_shot
 from dist_glm5.train.hf import hf_copy
 
 

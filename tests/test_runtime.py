@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_util import coordinator, mtp_one_shot, prompts
+from runtime_util import coordinator, prompts
 
 from dist_glm5.backends import get_backend
-from dist_glm5.model.reference_loop import generate
+from dist_glm5.model.reference_loop import generate, mtp_one_shot
 from dist_glm5.ops.linear import native_bf16_gemm
 from dist_glm5.sampling.params import SamplingParams
 from dist_glm5.sampling.rejection import verify_draft

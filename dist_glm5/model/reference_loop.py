@@ -89,3 +89,16 @@ def full_logits(model: Glm5Model, tokens: list[int]) -> torch.Tensor:
     batch = cache.prepare([Chunk(0, 0, len(tokens))])
     h, _ = model(torch.tensor(tokens), batch, cache)
     return model.logits(model.final_norm(h))
+
+
+@torch.no_grad()
+def mtp_one_shot(model: Glm5Model, tokens: list[int]) -> torch.Tensor:
+    """The MTP layer's logits over a finished sequence in one pass: the model over tokens[:-1],
+    then the MTP layer at the same positions with the tokens that follow them (tokens[1:]):
+    row q proposes token q + 2. [len(tokens) - 1, V] fp32."""
+    n = len(tokens) - 1
+    cache = model.new_cache(n // 16 + 2, 16)
+    b = cache.prepare([Chunk(0, 0, n)])
+    h, _ = model(torch.tensor(tokens[:n]), b, cache)
+    hm = model.mtp_forward(torch.tensor(tokens[1:]), model.final_norm(h), b, cache)
+    return model.mtp_logits(hm)
