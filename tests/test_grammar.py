@@ -159,6 +159,39 @@ def test_forced_tool_calls_parse_and_validate(seed, bounds):
         jsonschema.validate(json.loads(c["function"]["arguments"]), tools[c["function"]["name"]])
 
 
+def _takes(spec: GrammarSpec, text: bytes) -> bool:
+    m = GrammarMatcher(spec, TOK, TOK.vocab_size, (TOK.eos_id,))
+    return all(m.accept(t) for t in TOK.encode_bytes(text)) and m.accept(TOK.eos_id)
+
+
+def test_properties_and_arguments_come_in_the_order_the_schema_lists_them():
+    """llguidance writes an object's properties in the schema's order, so the spec keeps that
+    order (it had sorted the keys: {"name", "city"} was served city first, and send_message(to,
+    text) text first, where the user, OpenAI and GLM's own calls put them as declared); a call's
+    required arguments come first, then the optional ones."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "city": {"type": "string"}},
+        "required": ["name", "city"],
+    }
+    spec = GrammarSpec.json_schema(schema)
+    assert _takes(spec, b'{"name":"a","city":"b"}')
+    assert not _takes(spec, b'{"city":"b","name":"a"}')
+    props = {"to": {"type": "string"}, "text": {"type": "string"}, "cc": {"type": "string"}}
+    fn = {"name": "send", "parameters": {"type": "object", "properties": props}}
+    fn["parameters"]["required"] = ["to", "text"]
+    call = GrammarSpec.tool_calls([fn])
+    kv = "<arg_key>{}</arg_key><arg_value>{}</arg_value>".format
+    assert _takes(call, f"<tool_call>send{kv('to', 'Ada')}{kv('text', 'hi')}</tool_call>".encode())
+    assert _takes(
+        call,
+        f"<tool_call>send{kv('to', 'Ada')}{kv('text', 'hi')}{kv('cc', 'x')}</tool_call>".encode(),
+    )
+    assert not _takes(
+        call, f"<tool_call>send{kv('text', 'hi')}{kv('to', 'Ada')}</tool_call>".encode()
+    )
+
+
 def test_eos_only_where_the_grammar_may_end_and_rollback_restores():
     m = GrammarMatcher(GrammarSpec.json_schema({"type": "integer"}), TOK, V, EOS)
     assert not m.allowed()[EOS[0]]  # nothing yet: EOS is not allowed

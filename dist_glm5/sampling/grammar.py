@@ -93,10 +93,13 @@ class GrammarSpec:
         if self.kind not in KINDS:
             raise ValueError(f"grammar kind {self.kind!r}: use one of {', '.join(KINDS)}")
 
+    # The schema's text keeps its key order: llguidance writes an object's properties in the
+    # order the schema lists them (OpenAI's structured outputs do too), and GLM's calls their
+    # arguments so (required first). Sorted keys had served {"name", "city"} as city first.
     @staticmethod
     def json_schema(schema: dict) -> GrammarSpec:
         try:
-            return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True))
+            return GrammarSpec("json_schema", json.dumps(schema))
         except RecursionError:
             raise GrammarError("invalid", "the JSON schema is nested too deeply") from None
 
@@ -105,7 +108,7 @@ class GrammarSpec:
         """functions: [{"name": ..., "parameters": JSON schema}] (OpenAI's `function` objects)."""
         fs = [{"name": f["name"], "parameters": f.get("parameters") or {}} for f in functions]
         try:
-            text = json.dumps(fs, sort_keys=True)
+            text = json.dumps(fs)
         except RecursionError:
             raise GrammarError("invalid", "the tool parameters are nested too deeply") from None
         return GrammarSpec("tool_calls", text, min_calls, max_calls)
