@@ -134,6 +134,13 @@ def register(p: argparse.ArgumentParser) -> None:
         "code and chat prompts (what it drafts for when serving), not on the data's rows",
     )
     p.add_argument(
+        "--unloop-grammar",
+        action="store_true",
+        help="the unloop phase continues its chat prompts under the grammar the server would "
+        "hold each reply to (a call of the chat's tools, json_object) and also pushes down empty "
+        "values and repeated JSON keys: the chats' failures as served (off: the committed recipe)",
+    )
+    p.add_argument(
         "--export-only",
         action="store_true",
         help="export the run's last saved step to --export and stop (gate a run as it goes)",
@@ -181,5 +188,6 @@ def run(args: argparse.Namespace) -> int:
         copy_direct=args.copy_direct,
         copy_direct_on=args.copy_direct_on,
         draft_greedy=args.draft_greedy,
+        unloop_grammar=args.unloop_grammar,
     )
     return 0

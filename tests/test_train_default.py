@@ -476,6 +476,123 @@ def test_draft_greedy_rows_are_the_prompts_and_the_models_argmax_continuations()
     assert rows.shape == (2, S) and rows.tolist() == [w[:S] for w in want]
 
 
+def _marked_bytes(tok: ByteTokenizer, text: bytes, start_text: bytes = b"") -> bytes:
+    """value_marks over tok's ids of start_text + text, from text on: the marked ids' bytes,
+    joined with "|" between runs of marked ids."""
+    ids = tok.encode_bytes(start_text + text)
+    start = len(tok.encode_bytes(start_text))
+    pieces = [b"" if i in tok.SPECIAL else b for i, b in enumerate(tok.token_bytes())]
+    marks = unloop.value_marks(pieces, ids, start, json_keys=True)
+    out, prev = [], False
+    for i, m in zip(ids, marks):
+        if m:
+            out.append((b"" if prev or not out else b"|") + pieces[i])
+        prev = m
+    return b"".join(out)
+
+
+def test_value_marks_are_empty_values_and_repeated_keys_written_out():
+    """unloop.value_marks on written-out replies, the marked bytes named by hand: m5's grammar-held
+    json_object reply, nesting (a key again in an inner object is not a repeat), escaped quotes,
+    an empty argument in GLM's call format (as bytes and as one tag id), and nothing before
+    start."""
+    tok = ByteTokenizer()
+    m5 = b'{"seam":"","color":"","color":"","x":1}'
+    # the closing quote of each empty value; the repeated key's bytes and closing quote
+    assert _marked_bytes(tok, m5) == b'"|"|color"|"'
+    assert _marked_bytes(tok, b'{"a":{"a":1,"b":[1]},"b":"x"}') == b""
+    assert _marked_bytes(tok, b'{"a\\"b":"q\\",\\"","a\\"b":2}') == b'a\\"b"'
+    call = b"<tool_call>f<arg_key>k</arg_key><arg_value></arg_value></tool_call>"
+    assert _marked_bytes(tok, call) == b"<"
+    assert _marked_bytes(ByteTokenizer(16, chat_tags=True), call) == b"</arg_value>"
+    # a key the prompt's object holds is not the continuation's repeat; start counts ids
+    assert _marked_bytes(tok, b'"a":1}', start_text=b'{"a":2,') == b""
+    # ids of several bytes (a run of spaces) map back to their bytes
+    assert _marked_bytes(ByteTokenizer(16), b'{"a":"x   y","a":""}') == b'a"|"'
+
+
+def _grammar_order(calls: bytes, functions: list[dict]) -> bytes:
+    """GLM calls with each call's arguments in the order the served grammar writes them (the
+    required ones first, in schema order, then the optional ones; the corpus keeps schema order
+    throughout, so an optional key may come before a required one there)."""
+    import re
+
+    out = b""
+    for body in re.findall(rb"<tool_call>(.*?)</tool_call>", calls, re.S):
+        name = body.split(b"<arg_key>")[0]
+        pairs = dict(re.findall(rb"<arg_key>(.*?)</arg_key><arg_value>(.*?)</arg_value>", body))
+        params = next(f["parameters"] for f in functions if f["name"].encode() == name)
+        req = [k.encode() for k in params["properties"] if k in params["required"]]
+        order = req + [k.encode() for k in params["properties"] if k.encode() not in req]
+        args = b"".join(
+            b"<arg_key>%s</arg_key><arg_value>%s</arg_value>" % (k, pairs[k])
+            for k in order
+            if k in pairs
+        )
+        out += b"<tool_call>" + name + args + b"</tool_call>"
+    return out
+
+
+def test_chat_turn_grammar_accepts_the_data_reply_and_matches_chat_prompt():
+    """unloop.chat_prompt_grammar's prompt is chat_prompt's (the same draws), and its grammar,
+    compiled by llguidance as the server compiles it, accepts the data's own reply: a call of the
+    chat's tools (its arguments in the grammar's order), or the JSON object a request asked for
+    (llguidance is the oracle of both)."""
+    from dist_glm5.sampling.grammar import GrammarMatcher
+
+    w = Words.from_text(
+        b"".join(b"def f%d(x):\n    return x + %d\n\n" % (i, i) for i in range(400))
+    )
+    tok = ByteTokenizer()
+    kinds = set()
+    for seed in range(40):
+        a = unloop.chat_prompt(random.Random(seed), w)
+        b, spec = unloop.chat_prompt_grammar(random.Random(seed), w)
+        assert a == b and len(a) == unloop.PROMPT
+        doc, s, end, spec2 = unloop.chat_turn(random.Random(seed), w, unloop.PROMPT)
+        assert spec2 == spec and doc.ids[s - unloop.PROMPT : s] == a
+        reply = bytes(i for i in doc.ids[s:end] if i < 256)
+        kinds.add(spec and spec.kind)
+        if spec is None:  # a free reply: the one quoting a tool's result
+            assert b"<tool_call>" not in reply
+            continue
+        if spec.kind == "tool_calls":  # from the call on (a few words may come first)
+            reply = reply[reply.index(b"<tool_call>") : reply.rindex(b"</tool_call>") + 12]
+            reply = _grammar_order(reply, json.loads(spec.text))
+        else:
+            assert isinstance(json.loads(reply), dict)
+        m = GrammarMatcher(spec, tok, tok.vocab_size, (tok.eos_id,))
+        assert all(m.accept(t) for t in tok.encode_bytes(reply)), reply
+        assert m.accept(tok.eos_id), reply  # and the grammar may end there
+    assert kinds == {"tool_calls", "json_object"}
+
+
+def test_greedy_under_a_grammar_is_the_masked_argmax():
+    """unloop.greedy with a matcher (transformers' cached generate + GrammarMask) against a plain
+    loop over the model's full forward: the argmax of the tokens llguidance allows, fed back
+    token by token; the text is what the grammar accepts."""
+    from dist_glm5.sampling.grammar import GrammarMatcher, GrammarSpec
+
+    tr = _trainer()
+    tr.set_sparse(True)
+    tok = ByteTokenizer()
+    prompt = list(b"<|user|>\nReply in JSON.\n<|assistant|>\n")
+    spec = GrammarSpec("json_object")
+    got = tr.greedy_continuations([prompt], [spec])[0]
+    m = GrammarMatcher(spec, tok, tr.model.config.vocab_size, (unloop.EOS,))
+    row = list(prompt)
+    with tr.generating() as model, torch.no_grad():
+        for _ in range(unloop.CONTINUE):
+            logits = model(input_ids=torch.tensor([row])).logits[0, -1]
+            nxt = int(logits.masked_fill(~m.allowed(), float("-inf")).argmax())
+            row.append(nxt)
+            if nxt == unloop.EOS:
+                break
+            assert m.accept(nxt)
+    assert got == row[len(prompt) :]
+    assert bytes(got[:1]) == b"{"  # the grammar's first byte, whatever the random model says
+
+
 def _unloop_data(space_runs: int) -> td.Data:
     data = td.Data.__new__(td.Data)  # the corpus' text and words without loading the stdlib
     data.seed, data.tok, data.text = (
@@ -495,6 +612,22 @@ def test_unloop_prompts_are_one_length_and_end_where_the_model_should_write():
     assert len(prompts) == n_code + n_chat and {len(p) for p in prompts} == {unloop.PROMPT}
     assert all(bytes(p).endswith(b"\n") for p in prompts[:n_code])
     assert all(bytes(p).endswith(b"<|assistant|>\n") for p in prompts[n_code:])
+
+
+def test_unloop_batch_with_grammars_asks_for_json_every_other_chat():
+    """Without the grammar flag unloop_batch's prompts are unloop_prompts' (the recipe's data
+    unchanged); with it the chat prompts alternate between a chat's next turn (its grammar) and
+    a JSON reply under json_object, each ending where the assistant writes."""
+    data = _unloop_data(0)
+    n_code, n_chat = td.UNLOOP_ROWS
+    plain, grammars = data.unloop_batch(5)
+    assert plain == data.unloop_prompts(5) and grammars[:n_code] == [None] * n_code
+    prompts, grammars = data.unloop_batch(5, grammar=True)
+    assert prompts[:n_code] == plain[:n_code] and grammars[:n_code] == [None] * n_code
+    assert [g.kind for g in grammars[n_code + 1 :: 2]] == ["json_object"] * (n_chat // 2)
+    tag = list(b"<|assistant|>\n")
+    assert all(p[-len(tag) :] == tag for p in prompts[n_code:])  # packed chats hold <eos> ids
+    assert {len(p) for p in prompts} == {unloop.PROMPT}
 
 
 def test_unloop_prompts_with_space_runs_are_the_byte_prompts_as_the_tokenizer_reads_them():

@@ -291,10 +291,11 @@ def _json_object(doc: ChatDoc, obj: dict, src: dict[str, int] | None = None) -> 
     return at
 
 
-def tool_chat(rng: random.Random, w: Words, doc: ChatDoc) -> None:
+def tool_chat(rng: random.Random, w: Words, doc: ChatDoc) -> list[dict]:
     """Tools listed, then one to three rounds of a request and the call(s); a round goes on with
     the tool's result and a reply that quotes it; the last ends with <eos>. More rounds put more
-    calls in a row than one listing of tools per call would (the listing is most of the bytes)."""
+    calls in a row than one listing of tools per call would (the listing is most of the bytes).
+    Returns the tools listed."""
     tools = [rand_function(rng, w) for _ in range(rng.choice([1] * 6 + [2] * 3 + [3]))]
     names = {t["function"]["name"] for t in tools}
     if len(names) < len(tools):
@@ -316,12 +317,13 @@ def tool_chat(rng: random.Random, w: Words, doc: ChatDoc) -> None:
         last = r == rounds - 1
         if last and rng.random() < 0.6:
             doc.eos()
-            return
+            return tools
         _observe_and_reply(rng, w, doc)
         if last:
             doc.eos()
-            return
+            return tools
         doc.replying = False
+    return tools
 
 
 def _observe_and_reply(rng: random.Random, w: Words, doc: ChatDoc) -> None:

@@ -934,11 +934,18 @@ class Trainer:
                 ix.forward = types.MethodType(_indexer_forward, ix)
             self.model.train()
 
-    def greedy_continuations(self, prompts: list[list[int]]) -> list[list[int]]:
+    def greedy_continuations(
+        self, prompts: list[list[int]], grammars: list | None = None
+    ) -> list[list[int]]:
         """The model's greedy continuation of each prompt (unloop.greedy: transformers' cached
-        decoding with its own indexers; the trainer's are back after, nothing forced)."""
+        decoding with its own indexers; the trainer's are back after, nothing forced); with
+        grammars (a GrammarSpec or None per prompt), each held to its grammar as served."""
+        grammars = grammars or [None] * len(prompts)
         with self.generating() as m:
-            conts = [unloop.greedy(m, p) for p in prompts]
+            conts = [
+                unloop.greedy(m, p, matcher=g and self._matcher(g))
+                for p, g in zip(prompts, grammars, strict=True)
+            ]
         for i in self.indexers:
             self._layer(i).self_attn.indexer.force = None
         return conts
@@ -953,18 +960,31 @@ class Trainer:
         S = min(map(len, full))
         return torch.tensor([f[:S] for f in full])
 
-    def unloop_loss(self, prompts: list[list[int]]) -> tuple[torch.Tensor, int]:
+    def _matcher(self, spec):
+        from dist_glm5.sampling.grammar import GrammarMatcher
+
+        return GrammarMatcher(spec, self.tok, self.model.config.vocab_size, (unloop.EOS,))
+
+    def unloop_loss(
+        self, prompts: list[list[int]], grammars: list | None = None
+    ) -> tuple[torch.Tensor, int]:
         """The sequence-level unlikelihood loss (unloop.py) on the model's greedy continuations of
-        prompts, and how many bytes of them continue a loop. One batch, the rows padded after
-        their end (nothing there is marked), no forced keys (the indexers select alone, as they
-        serve)."""
-        full = [pr + c for pr, c in zip(prompts, self.greedy_continuations(prompts))]
+        prompts, and how many ids of them are marked (a loop's; with grammars, each continuation
+        held to its grammar, also an empty value or a repeated key: unloop.value_marks). One
+        batch, the rows padded after their end (nothing there is marked), no forced keys (the
+        indexers select alone, as they serve)."""
+        grammars = grammars or [None] * len(prompts)
+        full = [pr + c for pr, c in zip(prompts, self.greedy_continuations(prompts, grammars))]
         S = max(map(len, full))
         rows = [f + [unloop.EOS] * (S - len(f)) for f in full]
-        marks = [
-            unloop.loop_marks(f, start=len(pr)) + [False] * (S - len(f))
-            for f, pr in zip(full, prompts)
-        ]
+        pieces = [b"" if i in self.tok.SPECIAL else b for i, b in enumerate(self.tok.token_bytes())]
+        marks = []
+        for f, pr, g in zip(full, prompts, grammars):
+            mk = unloop.loop_marks(f, start=len(pr))
+            if g is not None:
+                vm = unloop.value_marks(pieces, f, len(pr), json_keys=g.kind != "tool_calls")
+                mk = [a or b for a, b in zip(mk, vm)]
+            marks.append(mk + [False] * (S - len(f)))
         n = sum(map(sum, marks))
         if not n:
             return torch.zeros(()), 0
@@ -1063,13 +1083,25 @@ class Data:
 
     def unloop_prompts(self, step: int) -> list[list[int]]:
         """UNLOOP_ROWS prompts of step (code windows, then chats up to the assistant's turn)."""
+        return self.unloop_batch(step)[0]
+
+    def unloop_batch(self, step: int, grammar: bool = False) -> tuple[list[list[int]], list]:
+        """unloop_prompts(step) and the grammar each one's reply would be served under (None for
+        code and free replies; unloop.chat_prompt_grammar). grammar: every other chat prompt
+        ends at a JSON reply instead (unloop.json_prompt_grammar), else about 1 in 20 would."""
         rng = random.Random(f"unloop:{self.seed}:{step}")
         n_code, n_chat = UNLOOP_ROWS
         code = [unloop.code_prompt(rng, self.text) for _ in range(n_code)]
-        prompts = code + [unloop.chat_prompt(rng, self.words) for _ in range(n_chat)]
+        chats = [
+            (unloop.json_prompt_grammar if grammar and i % 2 else unloop.chat_prompt_grammar)(
+                rng, self.words
+            )
+            for i in range(n_chat)
+        ]
+        prompts = code + [ids for ids, _ in chats]
         if self.tok.merges:  # the ids the model reads (a prompt then holds fewer than PROMPT)
             prompts = [self.tok.merge(p)[0] for p in prompts]
-        return prompts
+        return prompts, [None] * n_code + [g for _, g in chats]
 
     def batch(self, step: int, seq: int, batch: int, mix: str = "base"):
         """(ids [batch, seq], induction targets [batch, seq], assistant's ids [batch, seq])."""
@@ -1260,6 +1292,7 @@ def train(
     copy_direct: float = 0.0,
     copy_direct_on: str = "all",
     draft_greedy: bool = False,
+    unloop_grammar: bool = False,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1279,7 +1312,10 @@ def train(
     every row ("all") or on the documents' rows only ("docs": not chat rows, which are the rows
     holding an assistant's id); draft_greedy: the draft phase trains on the model's greedy
     continuations of code and chat prompts (Trainer.greedy_rows) instead of the data's rows (off:
-    the committed recipe; data, not a shape: a run may switch it on when it resumes)."""
+    the committed recipe; data, not a shape: a run may switch it on when it resumes);
+    unloop_grammar: the unloop phase continues its chat prompts under the grammar each reply
+    would be served with, and pushes down empty values and repeated keys besides loops
+    (Data.unloop_batch, unloop.value_marks; off: the committed recipe; data, like draft_greedy)."""
     if copy_direct_on not in ("all", "docs"):
         raise ValueError(f"copy_direct_on is 'all' or 'docs', not {copy_direct_on!r}")
     from tqdm import tqdm
@@ -1324,7 +1360,8 @@ def train(
         tr.model.train()
         ul = None
         if ph.unlikelihood:  # first: its forwards overwrite what the hooks keep for the others
-            ul, marked = tr.unloop_loss(data.unloop_prompts(step))
+            prompts, grammars = data.unloop_batch(step, unloop_grammar)
+            ul, marked = tr.unloop_loss(prompts, grammars if unloop_grammar else None)
         ls = tr.losses(ids, induction if sparse and not indexers_only else None, pos)
         if indexers_only:  # the indexers' own losses: the model's are not trained here
             ls["index"] = tr.index_loss(induction)
