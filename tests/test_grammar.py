@@ -192,6 +192,25 @@ def test_properties_and_arguments_come_in_the_order_the_schema_lists_them():
     )
 
 
+def test_a_raw_value_holds_no_tag_of_the_call():
+    """A free string argument may hold '<' and markup, but none of the call's tags (m5g wrote
+    `tunction</arg_key><arg_value>tunction ...` as one value: one argument to our reader, three
+    to a reader that splits on the tags), as bytes or as the tokenizer's tag ids."""
+    props = {"text": {"type": "string"}}
+    fn = {"name": "f", "parameters": {"type": "object", "properties": props, "required": ["text"]}}
+    call = GrammarSpec.tool_calls([fn])
+
+    def takes(value: str, tok) -> bool:
+        text = f"<tool_call>f<arg_key>text</arg_key><arg_value>{value}</arg_value></tool_call>"
+        m = GrammarMatcher(call, tok, tok.vocab_size, (tok.eos_id,))
+        return all(m.accept(t) for t in tok.encode(text)) and m.accept(tok.eos_id)
+
+    for tok in (TOK, ByteTokenizer(16, chat_tags=True)):
+        assert takes("a <b>bold</b> x < y", tok)
+        for tag in ("<arg_key>", "</arg_key>", "<arg_value>", "<tool_call>", "</tool_call>"):
+            assert not takes(f"a{tag}b", tok), tag
+
+
 def test_eos_only_where_the_grammar_may_end_and_rollback_restores():
     m = GrammarMatcher(GrammarSpec.json_schema({"type": "integer"}), TOK, V, EOS)
     assert not m.allowed()[EOS[0]]  # nothing yet: EOS is not allowed

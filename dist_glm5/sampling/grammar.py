@@ -126,8 +126,10 @@ def _lark_str(s: str) -> str:
     return json.dumps(s)  # a Lark string literal is a JSON string literal
 
 
-# A raw value cannot hold a closing tag: the reader (launch/api/tool_calls.py) cuts it at the first.
-_NO_TAG = "~/(?s:.)*<\\/(arg_value|tool_call)>(?s:.)*/"
+# A raw value holds none of the call's tags: our reader (launch/api/tool_calls.py) cuts it at the
+# first closing one, and GLM's other readers (vLLM's regex over <arg_key>..</arg_value> pairs) would
+# take `</arg_key><arg_value>` inside a value for a new argument.
+_NO_TAG = "~/(?s:.)*<\\/?(arg_key|arg_value|tool_call)>(?s:.)*/"
 
 
 def _raw_string_rule(name: str, schema: dict) -> str | None:
