@@ -67,6 +67,14 @@ def chat_prompt(rng: random.Random, w: Words, n: int = PROMPT) -> list[int]:
     return chat_prompt_grammar(rng, w, n)[0]
 
 
+def _pack_chat(rng: random.Random, w: Words, doc: ChatDoc) -> list[dict] | None:
+    """One more chat into doc, as the training rows pack them: a tool chat (its tools returned)
+    or a JSON one (None)."""
+    tools = tool_chat(rng, w, doc) if rng.random() < 0.6 else json_chat(rng, w, doc)
+    doc.add("\n")
+    return tools
+
+
 def chat_prompt_grammar(
     rng: random.Random, w: Words, n: int = PROMPT
 ) -> tuple[list[int], GrammarSpec | None]:
@@ -82,9 +90,7 @@ def chat_turn(rng: random.Random, w: Words, n: int) -> tuple[ChatDoc, int, int, 
     its grammar: chat_prompt_grammar's)."""
     doc, chats = ChatDoc(), []  # chats: (where each starts, its tools or None for JSON)
     while True:
-        at = len(doc.ids)
-        chats.append((at, tool_chat(rng, w, doc) if rng.random() < 0.6 else json_chat(rng, w, doc)))
-        doc.add("\n")
+        chats.append((len(doc.ids), _pack_chat(rng, w, doc)))
         r = doc.reply
         starts = [i for i in range(n, len(r)) if r[i] and not r[i - 1]]
         if starts:
@@ -109,8 +115,7 @@ def json_prompt_grammar(
     grammar-held gate failed."""
     doc = ChatDoc()
     while len(doc.ids) < n:
-        (tool_chat if rng.random() < 0.6 else json_chat)(rng, w, doc)
-        doc.add("\n")
+        _pack_chat(rng, w, doc)
     json_chat(rng, w, doc)
     s = len(doc.reply) - doc.reply[::-1].index(False)  # the reply's first id
     return doc.ids[s - n : s], GrammarSpec("json_object")
