@@ -117,8 +117,9 @@ class GrammarSpec:
 # ---- GLM tool calls as a Lark grammar -----------------------------------------------------------
 # Values of string properties are raw text up to </arg_value> (GLM does not quote them), within the
 # property's enum / const / minLength / maxLength / pattern; the others are JSON constrained by the
-# property's own schema (%json). Required properties come first, in schema order, then the
-# optional ones, each at most once: any output is a call whose arguments validate.
+# property's own schema (%json). The properties come in the schema's order, each at most once, an
+# optional one skippable where it stands (as llguidance does for a JSON object, and the trainer's
+# corpus writes calls): any output is a call whose arguments validate.
 _ANY = "(?s:.)"
 
 
@@ -239,10 +240,9 @@ def tool_call_lark(functions: list[dict], min_calls: int = 1, max_calls: int = 0
     for i, f in enumerate(functions):
         params = f.get("parameters") or {}
         props = params.get("properties") or {}
-        required = [k for k in props if k in set(params.get("required") or [])]
-        optional = [k for k in props if k not in required]
+        required = set(params.get("required") or [])
         parts = []
-        for j, key in enumerate(required + optional):
+        for j, key in enumerate(props):
             try:
                 raw = _raw_string_rule(f"val_{i}_{j}", props[key])
             except ValueError as e:
@@ -256,7 +256,7 @@ def tool_call_lark(functions: list[dict], min_calls: int = 1, max_calls: int = 0
             rules.append(
                 f"arg_{i}_{j}: {_lark_str(f'<arg_key>{key}</arg_key><arg_value>')} {value}"
             )
-            parts.append(f"arg_{i}_{j}" + ("?" if key in optional else ""))
+            parts.append(f"arg_{i}_{j}" + ("" if key in required else "?"))
         rules.append(f"fn_{i}: {_lark_str(f['name'])} {' '.join(parts)}".rstrip())
         alts.append(f"fn_{i}")
     if max_calls and max_calls < min_calls:
