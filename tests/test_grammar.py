@@ -159,9 +159,10 @@ def test_forced_tool_calls_parse_and_validate(seed, bounds):
         jsonschema.validate(json.loads(c["function"]["arguments"]), tools[c["function"]["name"]])
 
 
-def _takes(spec: GrammarSpec, text: bytes) -> bool:
-    m = GrammarMatcher(spec, TOK, TOK.vocab_size, (TOK.eos_id,))
-    return all(m.accept(t) for t in TOK.encode_bytes(text)) and m.accept(TOK.eos_id)
+def _takes(spec: GrammarSpec, text: bytes, tok=TOK) -> bool:
+    """Does the grammar take text (in tok's ids) whole, and end there?"""
+    m = GrammarMatcher(spec, tok, tok.vocab_size, (tok.eos_id,))
+    return all(m.accept(t) for t in tok.encode_bytes(text)) and m.accept(tok.eos_id)
 
 
 def test_properties_and_arguments_come_in_the_order_the_schema_lists_them():
@@ -203,8 +204,7 @@ def test_a_raw_value_holds_no_tag_of_the_call():
 
     def takes(value: str, tok) -> bool:
         text = f"<tool_call>f<arg_key>text</arg_key><arg_value>{value}</arg_value></tool_call>"
-        m = GrammarMatcher(call, tok, tok.vocab_size, (tok.eos_id,))
-        return all(m.accept(t) for t in tok.encode(text)) and m.accept(tok.eos_id)
+        return _takes(call, text.encode(), tok)
 
     for tok in (TOK, ByteTokenizer(16, chat_tags=True)):
         assert takes("a <b>bold</b> x < y", tok)

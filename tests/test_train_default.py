@@ -481,8 +481,8 @@ def _marked_bytes(tok: ByteTokenizer, text: bytes, start_text: bytes = b"") -> b
     joined with "|" between runs of marked ids."""
     ids = tok.encode_bytes(start_text + text)
     start = len(tok.encode_bytes(start_text))
-    pieces = [b"" if i in tok.SPECIAL else b for i, b in enumerate(tok.token_bytes())]
-    marks = unloop.value_marks(pieces, ids, start, json_keys=True)
+    pieces = tok.token_bytes()  # the texts hold no special ids
+    marks = unloop.value_marks(tok, ids, start, json_keys=True)
     out, prev = [], False
     for i, m in zip(ids, marks):
         if m:
@@ -597,7 +597,7 @@ def test_unloop_batch_with_grammars_asks_for_json_every_other_chat():
     data = _unloop_data(0)
     n_code, n_chat = td.UNLOOP_ROWS
     plain, grammars = data.unloop_batch(5)
-    assert plain == data.unloop_prompts(5) and grammars[:n_code] == [None] * n_code
+    assert plain == data.unloop_prompts(5) and grammars == [None] * (n_code + n_chat)
     prompts, grammars = data.unloop_batch(5, grammar=True)
     assert prompts[:n_code] == plain[:n_code] and grammars[:n_code] == [None] * n_code
     assert [g.kind for g in grammars[n_code + 1 :: 2]] == ["json_object"] * (n_chat // 2)

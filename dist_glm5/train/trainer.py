@@ -977,12 +977,11 @@ class Trainer:
         full = [pr + c for pr, c in zip(prompts, self.greedy_continuations(prompts, grammars))]
         S = max(map(len, full))
         rows = [f + [unloop.EOS] * (S - len(f)) for f in full]
-        pieces = [b"" if i in self.tok.SPECIAL else b for i, b in enumerate(self.tok.token_bytes())]
         marks = []
         for f, pr, g in zip(full, prompts, grammars):
             mk = unloop.loop_marks(f, start=len(pr))
             if g is not None:
-                vm = unloop.value_marks(pieces, f, len(pr), json_keys=g.kind != "tool_calls")
+                vm = unloop.value_marks(self.tok, f, len(pr), json_keys=g.kind != "tool_calls")
                 mk = [a or b for a, b in zip(mk, vm)]
             marks.append(mk + [False] * (S - len(f)))
         n = sum(map(sum, marks))
@@ -1086,9 +1085,10 @@ class Data:
         return self.unloop_batch(step)[0]
 
     def unloop_batch(self, step: int, grammar: bool = False) -> tuple[list[list[int]], list]:
-        """unloop_prompts(step) and the grammar each one's reply would be served under (None for
-        code and free replies; unloop.chat_prompt_grammar). grammar: every other chat prompt
-        ends at a JSON reply instead (unloop.json_prompt_grammar), else about 1 in 20 would."""
+        """unloop_prompts(step) and, with grammar, the grammar each one's reply would be served
+        under (None for code and free replies; unloop.chat_prompt_grammar), every other chat
+        prompt then ending at a JSON reply (unloop.json_prompt_grammar; else about 1 in 20 would).
+        Without grammar, no grammars (all None)."""
         rng = random.Random(f"unloop:{self.seed}:{step}")
         n_code, n_chat = UNLOOP_ROWS
         code = [unloop.code_prompt(rng, self.text) for _ in range(n_code)]
@@ -1101,7 +1101,7 @@ class Data:
         prompts = code + [ids for ids, _ in chats]
         if self.tok.merges:  # the ids the model reads (a prompt then holds fewer than PROMPT)
             prompts = [self.tok.merge(p)[0] for p in prompts]
-        return prompts, [None] * n_code + [g for _, g in chats]
+        return prompts, [None] * n_code + [g if grammar else None for _, g in chats]
 
     def batch(self, step: int, seq: int, batch: int, mix: str = "base"):
         """(ids [batch, seq], induction targets [batch, seq], assistant's ids [batch, seq])."""
@@ -1360,8 +1360,7 @@ def train(
         tr.model.train()
         ul = None
         if ph.unlikelihood:  # first: its forwards overwrite what the hooks keep for the others
-            prompts, grammars = data.unloop_batch(step, unloop_grammar)
-            ul, marked = tr.unloop_loss(prompts, grammars if unloop_grammar else None)
+            ul, marked = tr.unloop_loss(*data.unloop_batch(step, unloop_grammar))
         ls = tr.losses(ids, induction if sparse and not indexers_only else None, pos)
         if indexers_only:  # the indexers' own losses: the model's are not trained here
             ls["index"] = tr.index_loss(induction)

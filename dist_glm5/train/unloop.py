@@ -136,15 +136,15 @@ class GrammarMask(LogitsProcessor):
         return scores.masked_fill(~allowed, float("-inf"))
 
 
-def value_marks(pieces: list[bytes], ids: list[int], start: int, json_keys: bool) -> list[bool]:
-    """Per id, from start on: does it write what the chat corpus never does, an empty value
-    (`""` as a JSON key's value, `</arg_value>` right after `<arg_value>`) or, with json_keys, a
-    key its JSON object already has (all of the key's ids). pieces: each id's bytes (b"" for
-    special ids). What the grammar-held gates failed on: m5's `{"seam":"","color":"","color":...`
-    ran to max_tokens."""
+def value_marks(tok, ids: list[int], start: int, json_keys: bool) -> list[bool]:
+    """Per id of tok's (a ByteTokenizer), from start on: does it write what the chat corpus never
+    does, an empty value (`""` as a JSON key's value, `</arg_value>` right after `<arg_value>`) or,
+    with json_keys, a key its JSON object already has (all of the key's ids). What the
+    grammar-held gates failed on: m5's `{"seam":"","color":"","color":...` ran to max_tokens."""
+    pieces = tok.token_bytes()
     out, own, buf = [False] * len(ids), [], bytearray()
     for k in range(start, len(ids)):
-        piece = pieces[ids[k]]
+        piece = b"" if ids[k] in tok.SPECIAL else pieces[ids[k]]
         buf += piece
         own += [k] * len(piece)
     empty_arg = b"<arg_value></arg_value>"
