@@ -73,6 +73,13 @@ def register(p: argparse.ArgumentParser) -> None:
         "before and at most 16 (what the column head counts; off: the committed recipe)",
     )
     p.add_argument(
+        "--inner-spaces",
+        type=int,
+        default=0,
+        help="cut every run of spaces inside a training line to at most N (with --reindent: "
+        "nothing follows 16 spaces with a 17th; 0: unchanged, the committed recipe)",
+    )
+    p.add_argument(
         "--space-runs",
         type=int,
         default=0,
@@ -180,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         unloop_steps=args.unloop,
         unloop_at=args.unloop_at,
         reindent=args.reindent,
+        inner_spaces=args.inner_spaces,
         space_runs=args.space_runs,
         chat_tags=args.chat_tags,
         offset_heads=args.offset_heads,

@@ -638,6 +638,25 @@ def test_unloop_at_end_long_trains_long_rows_beside_the_unlikelihood():
     assert next(p for p in end if p.unlikelihood).mix == "base"
 
 
+def test_squeeze_inner_spaces_cuts_runs_inside_lines_and_leaves_indentation():
+    import re
+
+    from dist_glm5.train.corpus import load_split, reindent, squeeze_inner_spaces
+
+    src = b"    x = 1      # note\n        y  = [a,   b]   \n" + b" " * 12 + b"z\n"
+    want = b"    x = 1  # note\n        y  = [a,  b]  \n" + b" " * 12 + b"z\n"
+    assert squeeze_inner_spaces(src) == want
+    assert squeeze_inner_spaces(b"a    b", cap=1) == b"a b"
+    # a stdlib file re-indented, then squeezed: no run of 17 spaces, no run of 3 inside a line,
+    # and every line's non-space bytes in order as before
+    data = next(b for r, b in load_split("train") if r.endswith("pydoc_data/topics.py"))
+    got = squeeze_inner_spaces(reindent(data))
+    assert max(len(m) for m in re.findall(rb" +", got)) <= 16
+    assert not re.search(rb"[^ \n]   ", got)
+    for g, b in zip(got.split(b"\n"), data.split(b"\n"), strict=True):
+        assert g.split() == b.split()
+
+
 def test_reindent_gives_four_space_steps_at_most_one_deeper_and_at_most_the_cap():
     from dist_glm5.train.corpus import load_split, reindent
 

@@ -1029,7 +1029,13 @@ class Trainer:
 
 # ---- data --------------------------------------------------------------------------------------
 class Data:
-    def __init__(self, seed: int, reindent: bool = False, tok: ByteTokenizer | None = None):
+    def __init__(
+        self,
+        seed: int,
+        reindent: bool = False,
+        tok: ByteTokenizer | None = None,
+        inner_spaces: int = 0,
+    ):
         from . import chat_corpus, corpus
 
         self.corpus, self.chat = corpus, chat_corpus
@@ -1037,6 +1043,8 @@ class Data:
         files = corpus.load_split("train")
         if reindent:  # the code's indentation as the column read-outs count it (corpus.reindent)
             files = [(r, corpus.reindent(b, cap=COLUMN_WINDOW)) for r, b in files]
+        if inner_spaces:  # runs of spaces inside a line cut short (corpus.squeeze_inner_spaces)
+            files = [(r, corpus.squeeze_inner_spaces(b, inner_spaces)) for r, b in files]
         self.text = b"\n".join(b for _, b in files)
         self.seed = seed
         self.words = chat_corpus.Words.from_text(self.text)
@@ -1284,6 +1292,7 @@ def train(
     unloop_steps: int = 0,
     unloop_at: str = "end",
     reindent: bool = False,
+    inner_spaces: int = 0,
     space_runs: int = 0,
     chat_tags: bool = False,
     offset_heads: int = len(OFFSETS),
@@ -1303,6 +1312,8 @@ def train(
     steps added to the base phase (phases; 0: the committed recipe); unloop_steps: the "unloop"
     phase's steps (phases; 0: none, the committed recipe), unloop_at where it goes (phases);
     reindent: the training code re-indented by corpus.reindent (off: the committed recipe);
+    inner_spaces: the training code's runs of spaces inside a line cut to at most this many
+    (corpus.squeeze_inner_spaces; 0: unchanged, the committed recipe; data, not a shape);
     space_runs, chat_tags: the vocabulary of ByteTokenizer(space_runs, chat_tags) (0 and false:
     bytes, the committed recipe); offset_heads: 4 for OFFSETS_FAR (space runs only; 3: OFFSETS,
     the committed recipe); kv_lora_rank: the width of MLA's compressed KV (64: the committed
@@ -1328,7 +1339,7 @@ def train(
     offsets = {len(OFFSETS): OFFSETS, len(OFFSETS_FAR): OFFSETS_FAR}[offset_heads]
     shape = RunShape(space_runs, chat_tags, offsets, kv_lora_rank, match_head)
     tr = shape.trainer(seed, line_heads, copy_direct)
-    data = Data(seed, reindent, tr.tok)
+    data = Data(seed, reindent, tr.tok, inner_spaces)
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
     state_path = out / "state.pt"
     step = resume(tr, opt, state_path, shape) if state_path.exists() else 0
