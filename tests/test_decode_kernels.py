@@ -41,8 +41,8 @@ def test_every_parallel_region_has_its_isa_clones(source):
     """OpenMP outlines a parallel region before inlining: a region inside an always-inline
     helper compiled once for the baseline ISA (the decode products ran in SSE2, 1.4-5x slower).
     Every outlined region of these kernels must come in the AVX2+FMA clone too, but those of a
-    function written for one ISA (its target macro, BF16DOT or AMX_BF16_T: it runs only where the
-    CPU has it)."""
+    function written for one ISA (its target macro, BF16DOT, ZMM or AMX_BF16_T: it runs only
+    where the CPU has it)."""
     from dist_glm5.kernels import build
 
     here = Path(build.__file__).parent
@@ -51,7 +51,7 @@ def test_every_parallel_region_has_its_isa_clones(source):
     regions = set(re.findall(r"\b(\w+\._omp_fn\.\d+)", names))
     assert regions, names
     code = "".join((here / f).read_text() for f in (source, "gemv_tiles.h"))
-    one_isa = set(re.findall(r"\b(?:BF16DOT|AMX_BF16_T)\s+void\s+(\w+)\s*\(", code))
+    one_isa = set(re.findall(r"\b(?:BF16DOT|AMX_BF16_T|ZMM)\s+void\s+(\w+)\s*\(", code))
     assert "products16" in one_isa
     for r in regions:
         if r.split(".")[0] in one_isa:

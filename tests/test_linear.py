@@ -116,6 +116,9 @@ for m, N, K in ((1, 80, 96), (3, 7, 45), (6, 33, 200), (10, 12, 64), (32, 64, 10
     env = os.environ
     amx = amx and env["DIST_GLM5_GEMV_AMX"] != "0" and env["DIST_GLM5_GEMV_FP32"] != "1"
     assert bf16_gemv.uses_amx(K) == amx, (K, amx)
+    bf16dot = "avx512_bf16" in flags and env["DIST_GLM5_GEMV_FP32"] != "1"
+    wide = all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+    assert bf16_gemv.uses_zmm() == (wide and not bf16dot and env["DIST_GLM5_GEMV_ZMM"] != "0")
     # a row's bits do not depend on the rows beside it (whichever tile shape took it)
     for i in range(m):
         assert torch.equal(bf16_gemv.linear(x[i : i + 1], w), got[i : i + 1]), (m, i)
@@ -123,18 +126,26 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("fp32_tiles,amx", [("1", "0"), ("0", "0"), ("0", "1")])
-def test_every_tile_path_is_the_exact_sum_rounded_once(fp32_tiles, amx):
-    """The fp32 tiles (DIST_GLM5_GEMV_FP32=1), where the CPU has AVX512-BF16 the vdpbf16ps ones
+@pytest.mark.parametrize(
+    "fp32_tiles,amx,zmm", [("1", "0", "0"), ("1", "0", "1"), ("0", "0", "1"), ("0", "1", "1")]
+)
+def test_every_tile_path_is_the_exact_sum_rounded_once(fp32_tiles, amx, zmm):
+    """The 8-lane fp32 tiles (DIST_GLM5_GEMV_FP32=1, DIST_GLM5_GEMV_ZMM=0), where the CPU has
+    AVX-512 the 16-lane ones (ZMM=1), where it has AVX512-BF16 the vdpbf16ps ones
     (DIST_GLM5_GEMV_AMX=0), and where it has AMX-BF16 too the AMX tiles (the default there; on
     other CPUs a case runs the best path it has again), each in a fresh process: within the
     float64 bound above, and a row's bits the same alone as among 32 (K = 64 and 1024 take the
-    AMX tiles, the other shapes their K % 32 fallback)."""
+    AMX tiles, the other shapes their K % 32 fallback; K = 45 and 13 the 16-lane tiles' tail)."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "DIST_GLM5_GEMV_FP32": fp32_tiles, "DIST_GLM5_GEMV_AMX": amx}
+    env = {
+        **os.environ,
+        "DIST_GLM5_GEMV_FP32": fp32_tiles,
+        "DIST_GLM5_GEMV_AMX": amx,
+        "DIST_GLM5_GEMV_ZMM": zmm,
+    }
     r = subprocess.run([sys.executable, "-c", _BOTH_TILES], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 

@@ -37,6 +37,9 @@ CLONES int bf16_gemv(const uint16_t *x, int m, int K, const uint16_t *w, int N, 
 /* Whether products of K inputs take the AMX tiles here (tests, benches). */
 int bf16_gemv_amx(int K) { return amx16(K); }
 
+/* Whether the fp32 tiles take 16 lanes here (tests, benches). */
+int bf16_gemv_zmm(void) { return zmm(); }
+
 /* ----- Routed experts with bf16 weights, for a few tokens: what ops/experts.experts_reference
  * does with torch's bf16 ops, every rounding where torch rounds (gate and up products, silu, their
  * product, the down product, the route weight, and each expert's add into the output in
@@ -90,6 +93,7 @@ CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int
                         const float *tw, int e_min, int E, const uint16_t *w13, const uint16_t *w2,
                         uint16_t *out, int nthreads) {
     const int R = T * k, bd = bf16dot(); /* bd: the AVX512-BF16 tiles, on bf16 x and act */
+    const int z = !bd && zmm();           /* the 16-lane fp32 tiles */
     const int amx = bd && amx16(H) && amx16(I); /* the AMX tiles, on x and act packed (xT, aT) */
     int *tok = malloc(sizeof(int) * (R + 1)), *slot = malloc(sizeof(int) * (R + 1));
     int *first = malloc(sizeof(int) * (E + 1)), *fill = malloc(sizeof(int) * (E + 1));
@@ -159,6 +163,8 @@ CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int
 #endif
             if (bd)
                 quad16(x16 + (int64_t)a * H, n, H, we, n0, wr, g16 + (int64_t)a * 2 * I, 2 * I);
+            else if (z)
+                quadz(xf + (int64_t)a * H, n, H, we, n0, wr, g16 + (int64_t)a * 2 * I, 2 * I);
             else
                 rows(xf + (int64_t)a * H, n, H, we, n0, wr, NULL, g16 + (int64_t)a * 2 * I, 2 * I);
         }
@@ -179,6 +185,8 @@ CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int
 #endif
             if (bd)
                 quad16(a16 + (int64_t)a * I, n, I, wd, n0, wr, y16 + (int64_t)a * H, H);
+            else if (z)
+                quadz(act + (int64_t)a * I, n, I, wd, n0, wr, y16 + (int64_t)a * H, H);
             else
                 rows(act + (int64_t)a * I, n, I, wd, n0, wr, NULL, y16 + (int64_t)a * H, H);
         }

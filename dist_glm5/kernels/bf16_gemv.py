@@ -31,6 +31,8 @@ def _signatures(lib: ctypes.CDLL) -> None:
     lib.bf16_experts.restype = i
     lib.bf16_gemv_amx.argtypes = [i]
     lib.bf16_gemv_amx.restype = i
+    lib.bf16_gemv_zmm.argtypes = []
+    lib.bf16_gemv_zmm.restype = i
 
 
 _kernel = Lazy(SOURCE, _signatures)
@@ -43,6 +45,13 @@ def uses_amx(K: int) -> bool:
     them, K % 32 == 0 and DIST_GLM5_GEMV_AMX is not 0)."""
     lib = _kernel.get()
     return lib is not None and bool(lib.bf16_gemv_amx(K))
+
+
+def uses_zmm() -> bool:
+    """Whether the fp32 tiles take 16 lanes here (the CPU has AVX-512 but not AVX512-BF16, or
+    DIST_GLM5_GEMV_FP32=1 keeps the fp32 tiles, and DIST_GLM5_GEMV_ZMM is not 0)."""
+    lib = _kernel.get()
+    return lib is not None and bool(lib.bf16_gemv_zmm())
 
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:

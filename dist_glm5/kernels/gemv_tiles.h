@@ -94,6 +94,92 @@ static inline __attribute__((always_inline)) void rows(const float *xf, int m, i
     ROWS_OF(tile, xf);
 }
 
+/* ---- The fp32 tiles with 16 lanes, for CPUs with AVX-512 but not AVX512-BF16 (Skylake-X to
+ * Ice Lake): the 8-lane tiles above are what an x86-64-v4 clone makes of a v8 (one ymm), so at
+ * batch 32, where the products are arithmetic, half of each FMA unit idled (the small model's bf16
+ * step at 32 rows, one thread of an Ice Lake Xeon: 1.34x llama.cpp's). Lane l takes k = l mod 16
+ * in k order, a short tail the scalar loop, then _mm512_reduce_add_ps: a fixed order per (row,
+ * weight row) whatever the tile, so a row's bits depend on neither m nor the thread count (they
+ * differ from the 8-lane tiles' by the order of the fp32 additions). DIST_GLM5_GEMV_ZMM=0 keeps
+ * the 8-lane tiles (tests and benches compare the two). */
+#define ZMM __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+
+static inline __attribute__((always_inline)) ZMM __m512 widen16(const uint16_t *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+#define MTZ 6 /* x rows per 16-lane tile, at most: 4 x 6 accumulators of 32 registers */
+
+static inline __attribute__((always_inline)) ZMM void tilez(const float *xf, int K,
+                                                            const uint16_t *w, int n0, int wr,
+                                                            int r0, int mr, const uint16_t *b,
+                                                            uint16_t *y, int N) {
+    __m512 acc[WT][MTZ];
+#pragma GCC unroll 4
+    for (int j = 0; j < WT; j++)
+#pragma GCC unroll 6
+        for (int r = 0; r < MTZ; r++) acc[j][r] = _mm512_setzero_ps();
+    const uint16_t *wj[WT];
+#pragma GCC unroll 4
+    for (int j = 0; j < WT; j++) wj[j] = w + (int64_t)(n0 + (j < wr ? j : 0)) * K;
+    const int K16 = K & ~15;
+    const char *next = (const char *)(w + (int64_t)(n0 + wr) * K);
+    for (int k = 0; k < K16; k += 16) {
+        /* the next tile's rows at this one's pace (as the 8-lane tile): wr x 32 bytes a step */
+        for (int o = 0; o < wr * 32; o += 64) __builtin_prefetch(next + (int64_t)wr * 2 * k + o, 0, 3);
+        __m512 a[WT];
+#pragma GCC unroll 4
+        for (int j = 0; j < WT; j++)
+            if (j < wr) a[j] = widen16(wj[j] + k);
+#pragma GCC unroll 6
+        for (int r = 0; r < MTZ; r++) {
+            if (r < mr) {
+                const __m512 xv = _mm512_loadu_ps(xf + (int64_t)(r0 + r) * K + k);
+#pragma GCC unroll 4
+                for (int j = 0; j < WT; j++)
+                    if (j < wr) acc[j][r] = _mm512_fmadd_ps(a[j], xv, acc[j][r]);
+            }
+        }
+    }
+    /* constant bounds, as tile16's: an accumulator indexed at run time would live in memory */
+#pragma GCC unroll 6
+    for (int r = 0; r < MTZ; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < WT; j++)
+            if (r < mr && j < wr) {
+                const float *xr = xf + (int64_t)(r0 + r) * K;
+                float s = _mm512_reduce_add_ps(acc[j][r]);
+                for (int k = K16; k < K; k++) s += bf16_to_f32(wj[j][k]) * xr[k];
+                if (b) s += bf16_to_f32(b[n0 + j]);
+                y[(int64_t)(r0 + r) * N + n0 + j] = f32_to_bf16(s);
+            }
+}
+
+/* rows, with the 16-lane tiles: a quad of weight rows against 6 x rows at a time first (as
+ * rows16), then ROWS_OF's tiles for what is left. */
+static inline __attribute__((always_inline)) ZMM void rowsz(const float *xf, int m, int K,
+                                                            const uint16_t *w, int n0, int wr,
+                                                            const uint16_t *b, uint16_t *y,
+                                                            int N) {
+    if (wr == 4) {
+        int r0 = 0;
+        for (; m - r0 >= 6; r0 += 6) tilez(xf, K, w, n0, 4, r0, 6, b, y, N);
+        if (m - r0 >= 4) {
+            tilez(xf, K, w, n0, 4, r0, 4, b, y, N);
+            r0 += 4;
+        }
+        xf += (int64_t)r0 * K, y += (int64_t)r0 * N, m -= r0;
+    }
+    ROWS_OF(tilez, xf);
+}
+
+/* Weight rows [n0, n0 + wr) against the n fp32 rows xf with the 16-lane tiles (quad16's twin). */
+static __attribute__((unused)) ZMM void quadz(const float *xf, int n, int K, const uint16_t *w,
+                                              int n0, int wr, uint16_t *y, int N) {
+    rowsz(xf, n, K, w, n0, wr, NULL, y, N);
+}
+
 /* ---- The same tiles with AVX512-BF16 (vdpbf16ps: 16 lanes, each adding a pair of bf16
  * products a step): x in bf16 (x16: xf's values, which are bf16), weight rows read as they are.
  * Per (row, weight row) the order is fixed whatever the tile: lane l takes pairs 2l, 2l+1 of each
@@ -204,6 +290,12 @@ static BF16DOT void products16(const uint16_t *x16, int m, int K, int np, const 
     OVER_QUADS(rows16, x16);
 }
 
+static ZMM void productsz(const float *xf, int m, int K, int np, const uint16_t *const *w,
+                          const int *N, const uint16_t *const *b, uint16_t *const *y,
+                          int nthreads) {
+    OVER_QUADS(rowsz, xf);
+}
+
 /* Whether products take the AVX512-BF16 tiles: the CPU has them and DIST_GLM5_GEMV_FP32 is not
  * set (tests and benches compare the two). */
 static int bf16dot(void) {
@@ -212,6 +304,19 @@ static int bf16dot(void) {
         const char *e = getenv("DIST_GLM5_GEMV_FP32");
         on = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
              !(e && *e && strcmp(e, "0"));
+    }
+    return on;
+}
+
+/* Whether the fp32 tiles take 16 lanes: the CPU has AVX-512 (F, BW, VL, DQ), not the
+ * AVX512-BF16 tiles, and DIST_GLM5_GEMV_ZMM is not 0. */
+static __attribute__((unused)) int zmm(void) {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("DIST_GLM5_GEMV_ZMM");
+        on = !bf16dot() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             !(e && *e && !strcmp(e, "0"));
     }
     return on;
 }
@@ -344,7 +449,10 @@ static CLONES int products(const uint16_t *x, int m, int K, int np, const uint16
     float *xf = malloc(sizeof(float) * ((size_t)m * K + 1));
     if (!xf) return -1;
     for (int64_t i = 0; i < (int64_t)m * K; i++) xf[i] = bf16_to_f32(x[i]);
-    OVER_QUADS(rows, xf);
+    if (zmm())
+        productsz(xf, m, K, np, w, N, b, y, nthreads);
+    else
+        OVER_QUADS(rows, xf);
     free(xf);
     return 0;
 }
