@@ -11,6 +11,8 @@
  * (nearest even). Only the order of the fp32 additions differs from torch's.
  * Tiles of 8-lane accumulators (8 of 16 AVX2 registers): 4 weight rows x 2 x rows for one or two
  * rows (four weight streams in flight from DRAM), 2 x 4 for more; weight rows split over threads. target_clones: GCC picks AVX-512 / AVX2+FMA / baseline at load time.
+ * On CPUs with AVX-512 but not AVX512-BF16 the same tiles take 16 lanes (gemv_tiles.h's tilez,
+ * 4 weight rows x 6 x rows first; DIST_GLM5_GEMV_ZMM=0 keeps the 8-lane ones).
  * On CPUs with AVX512-BF16 the dense products take gemv_tiles.h's vdpbf16ps tiles instead (same
  * tile shapes; DIST_GLM5_GEMV_FP32=1 keeps the fp32 ones), and on CPUs with AMX-BF16 its AMX
  * tiles (DIST_GLM5_GEMV_AMX=0 keeps the vdpbf16ps ones); the experts below too.
