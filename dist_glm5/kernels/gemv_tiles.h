@@ -87,6 +87,25 @@ static inline __attribute__((always_inline)) void tile(const float *xf, int K, c
         }                                                                                        \
     } while (0)
 
+/* ROWS_OF for the AVX-512 tiles (TILE: tilez or tile16), which have 32 registers: a whole quad
+ * of weight rows against 6 x rows at a time first (24 accumulators: vdpbf16ps's latency needs
+ * about 12 in flight, and 4 + 6 loads feed 24 of them, where ROWS_OF's 2 x 4 tile, shaped for 16
+ * AVX2 registers, loads 6 for 8), then ROWS_OF's tiles for what is left. The tile shape does not
+ * change a product's bits. */
+#define QUADS6_OF(TILE, X)                                                                       \
+    do {                                                                                         \
+        if (wr == 4) {                                                                           \
+            int q0 = 0;                                                                          \
+            for (; m - q0 >= 6; q0 += 6) TILE(X, K, w, n0, 4, q0, 6, b, y, N);                  \
+            if (m - q0 >= 4) {                                                                   \
+                TILE(X, K, w, n0, 4, q0, 4, b, y, N);                                            \
+                q0 += 4;                                                                         \
+            }                                                                                    \
+            X += (int64_t)q0 * K, y += (int64_t)q0 * N, m -= q0;                                 \
+        }                                                                                        \
+        ROWS_OF(TILE, X);                                                                        \
+    } while (0)
+
 /* Weight rows n0 .. n0+wr-1 against every x row (fp32 tiles). */
 static inline __attribute__((always_inline)) void rows(const float *xf, int m, int K,
                                                        const uint16_t *w, int n0, int wr,
@@ -127,7 +146,8 @@ static inline __attribute__((always_inline)) ZMM void tilez(const float *xf, int
     const char *next = (const char *)(w + (int64_t)(n0 + wr) * K);
     for (int k = 0; k < K16; k += 16) {
         /* the next tile's rows at this one's pace (as the 8-lane tile): wr x 32 bytes a step */
-        for (int o = 0; o < wr * 32; o += 64) __builtin_prefetch(next + (int64_t)wr * 2 * k + o, 0, 3);
+        for (int o = 0; o < wr * 32; o += 64)
+            __builtin_prefetch(next + (int64_t)wr * 2 * k + o, 0, 3);
         __m512 a[WT];
 #pragma GCC unroll 4
         for (int j = 0; j < WT; j++)
@@ -156,22 +176,12 @@ static inline __attribute__((always_inline)) ZMM void tilez(const float *xf, int
             }
 }
 
-/* rows, with the 16-lane tiles: a quad of weight rows against 6 x rows at a time first (as
- * rows16), then ROWS_OF's tiles for what is left. */
+/* rows, with the 16-lane tiles (QUADS6_OF). */
 static inline __attribute__((always_inline)) ZMM void rowsz(const float *xf, int m, int K,
                                                             const uint16_t *w, int n0, int wr,
                                                             const uint16_t *b, uint16_t *y,
                                                             int N) {
-    if (wr == 4) {
-        int r0 = 0;
-        for (; m - r0 >= 6; r0 += 6) tilez(xf, K, w, n0, 4, r0, 6, b, y, N);
-        if (m - r0 >= 4) {
-            tilez(xf, K, w, n0, 4, r0, 4, b, y, N);
-            r0 += 4;
-        }
-        xf += (int64_t)r0 * K, y += (int64_t)r0 * N, m -= r0;
-    }
-    ROWS_OF(tilez, xf);
+    QUADS6_OF(tilez, xf);
 }
 
 /* Weight rows [n0, n0 + wr) against the n fp32 rows xf with the 16-lane tiles (quad16's twin). */
@@ -241,24 +251,12 @@ static inline __attribute__((always_inline)) BF16DOT void tile16(const uint16_t 
             }
 }
 
-/* rows, with the AVX512-BF16 tiles: a whole quad of weight rows against 6 x rows at a time
- * first (24 accumulators: vdpbf16ps's latency needs about 12 in flight, and 4 + 6 loads feed 24
- * of them, where ROWS_OF's 2 x 4 tile, shaped for 16 AVX2 registers, loads 6 for 8), then
- * ROWS_OF's tiles for what is left. The tile shape does not change a product's bits (above). */
+/* rows, with the AVX512-BF16 tiles (QUADS6_OF). */
 static inline __attribute__((always_inline)) BF16DOT void rows16(const uint16_t *x16, int m,
                                                                  int K, const uint16_t *w, int n0,
                                                                  int wr, const uint16_t *b,
                                                                  uint16_t *y, int N) {
-    if (wr == 4) {
-        int r0 = 0;
-        for (; m - r0 >= 6; r0 += 6) tile16(x16, K, w, n0, 4, r0, 6, b, y, N);
-        if (m - r0 >= 4) {
-            tile16(x16, K, w, n0, 4, r0, 4, b, y, N);
-            r0 += 4;
-        }
-        x16 += (int64_t)r0 * K, y += (int64_t)r0 * N, m -= r0;
-    }
-    ROWS_OF(tile16, x16);
+    QUADS6_OF(tile16, x16);
 }
 
 /* Weight rows [n0, n0 + wr) of w [N, K] against the n bf16 rows x16 with the AVX512-BF16 tiles:
@@ -314,8 +312,9 @@ static __attribute__((unused)) int zmm(void) {
     static int on = -1;
     if (on < 0) {
         const char *e = getenv("DIST_GLM5_GEMV_ZMM");
-        on = !bf16dot() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        on = !bf16dot() && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512dq") &&
              !(e && *e && !strcmp(e, "0"));
     }
     return on;
