@@ -95,7 +95,7 @@ CLONES int bf16_experts(const uint16_t *x, int T, int H, int I, int k, const int
                         const float *tw, int e_min, int E, const uint16_t *w13, const uint16_t *w2,
                         uint16_t *out, int nthreads) {
     const int R = T * k, bd = bf16dot(); /* bd: the AVX512-BF16 tiles, on bf16 x and act */
-    const int z = !bd && zmm();           /* the 16-lane fp32 tiles */
+    const int z = zmm(); /* the 16-lane fp32 tiles (never with bd: zmm() asks !bf16dot()) */
     const int amx = bd && amx16(H) && amx16(I); /* the AMX tiles, on x and act packed (xT, aT) */
     int *tok = malloc(sizeof(int) * (R + 1)), *slot = malloc(sizeof(int) * (R + 1));
     int *first = malloc(sizeof(int) * (E + 1)), *fill = malloc(sizeof(int) * (E + 1));

@@ -96,7 +96,7 @@ static inline __attribute__((always_inline)) void tile(const float *xf, int K, c
     do {                                                                                         \
         if (wr == 4) {                                                                           \
             int q0 = 0;                                                                          \
-            for (; m - q0 >= 6; q0 += 6) TILE(X, K, w, n0, 4, q0, 6, b, y, N);                  \
+            for (; m - q0 >= MT16; q0 += MT16) TILE(X, K, w, n0, 4, q0, MT16, b, y, N);         \
             if (m - q0 >= 4) {                                                                   \
                 TILE(X, K, w, n0, 4, q0, 4, b, y, N);                                            \
                 q0 += 4;                                                                         \
@@ -128,17 +128,17 @@ static inline __attribute__((always_inline)) ZMM __m512 widen16(const uint16_t *
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-#define MTZ 6 /* x rows per 16-lane tile, at most: 4 x 6 accumulators of 32 registers */
+#define MT16 6 /* x rows per AVX-512 tile (tilez, tile16), at most: 4 x 6 of 32 registers */
 
 static inline __attribute__((always_inline)) ZMM void tilez(const float *xf, int K,
                                                             const uint16_t *w, int n0, int wr,
                                                             int r0, int mr, const uint16_t *b,
                                                             uint16_t *y, int N) {
-    __m512 acc[WT][MTZ];
+    __m512 acc[WT][MT16];
 #pragma GCC unroll 4
     for (int j = 0; j < WT; j++)
 #pragma GCC unroll 6
-        for (int r = 0; r < MTZ; r++) acc[j][r] = _mm512_setzero_ps();
+        for (int r = 0; r < MT16; r++) acc[j][r] = _mm512_setzero_ps();
     const uint16_t *wj[WT];
 #pragma GCC unroll 4
     for (int j = 0; j < WT; j++) wj[j] = w + (int64_t)(n0 + (j < wr ? j : 0)) * K;
@@ -153,7 +153,7 @@ static inline __attribute__((always_inline)) ZMM void tilez(const float *xf, int
         for (int j = 0; j < WT; j++)
             if (j < wr) a[j] = widen16(wj[j] + k);
 #pragma GCC unroll 6
-        for (int r = 0; r < MTZ; r++) {
+        for (int r = 0; r < MT16; r++) {
             if (r < mr) {
                 const __m512 xv = _mm512_loadu_ps(xf + (int64_t)(r0 + r) * K + k);
 #pragma GCC unroll 4
@@ -164,7 +164,7 @@ static inline __attribute__((always_inline)) ZMM void tilez(const float *xf, int
     }
     /* constant bounds, as tile16's: an accumulator indexed at run time would live in memory */
 #pragma GCC unroll 6
-    for (int r = 0; r < MTZ; r++)
+    for (int r = 0; r < MT16; r++)
 #pragma GCC unroll 4
         for (int j = 0; j < WT; j++)
             if (r < mr && j < wr) {
@@ -199,8 +199,6 @@ static __attribute__((unused)) ZMM void quadz(const float *xf, int n, int K, con
  * instruction does). About 4x the fp32 tiles' products an instruction: at 8-32 rows the fp32
  * tiles ran 3-6x slower than torch's bf16 GEMM on such a CPU. */
 #define BF16DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
-
-#define MT16 6 /* x rows per AVX512-BF16 tile, at most: 4 x 6 accumulators of 32 registers */
 
 static inline __attribute__((always_inline)) BF16DOT void tile16(const uint16_t *x16, int K,
                                                                  const uint16_t *w, int n0, int wr,
