@@ -87,6 +87,14 @@ def register(p: argparse.ArgumentParser) -> None:
         "ids): an indentation is one choice (0: bytes only, the committed recipe)",
     )
     p.add_argument(
+        "--space-unit",
+        type=int,
+        default=0,
+        help="a vocabulary with one id for exactly N spaces, taken N at a time (with --reindent "
+        "and N = 4: one id per indentation step, runs inside a line bytes when --inner-spaces "
+        "< N; 0: bytes only, the committed recipe)",
+    )
+    p.add_argument(
         "--chat-tags",
         action="store_true",
         help="one id for each tag of the chat format (<tool_call>, </arg_value>, <|user|>, ...; "
@@ -100,7 +108,7 @@ def register(p: argparse.ArgumentParser) -> None:
         default=3,
         help="how many heads of layer 0 are told to read the ids 1, 2, 3(, 4) back: with 4 the "
         "induction head matches 4 ids, so needles whose keys end alike are told apart (4 takes "
-        "the column head: --space-runs only; 3: the committed recipe)",
+        "the column head: --space-runs or --space-unit only; 3: the committed recipe)",
     )
     p.add_argument(
         "--kv-lora-rank",
@@ -190,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
         inner_spaces=args.inner_spaces,
         space_runs=args.space_runs,
         chat_tags=args.chat_tags,
+        space_unit=args.space_unit,
         offset_heads=args.offset_heads,
         kv_lora_rank=args.kv_lora_rank,
         match_head=args.match_head,

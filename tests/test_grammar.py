@@ -117,6 +117,15 @@ def test_a_space_run_is_allowed_where_its_spaces_fit():
     assert allowed[32] and not allowed[runs.run_id(2)] and allowed[ord('"')]
 
 
+def test_a_space_unit_is_allowed_where_its_spaces_fit():
+    unit = ByteTokenizer(space_unit=4)
+    m = GrammarMatcher(GrammarSpec.json_schema({"type": "string", "maxLength": 5}), unit, 260, EOS)
+    assert m.accept(ord('"')) and m.allowed()[unit.run_id(4)]
+    assert m.accept(32) and m.accept(32)
+    allowed = m.allowed()  # 3 characters left: no room for 4 spaces
+    assert allowed[32] and not allowed[unit.run_id(4)] and allowed[ord('"')]
+
+
 def test_json_object_is_an_object():
     for seed in range(5):
         text, ended = walk(GrammarSpec("json_object"), seed, limit=6000)

@@ -289,6 +289,56 @@ def test_space_runs_any_text(hf_runs, text):
     assert RUNS.decode(RUNS.encode(text)) == text
 
 
+# ---- a space unit (a trainer run's --space-unit) -------------------------------------------
+UNIT = ByteTokenizer(space_unit=4)
+
+
+@pytest.fixture(scope="module")
+def hf_unit(tmp_path_factory):
+    d = tmp_path_factory.mktemp("unit")
+    write_tokenizer_files(d, space_unit=4)
+    return d, AutoTokenizer.from_pretrained(d)
+
+
+def test_a_space_unit_is_one_id_for_exactly_its_spaces_from_the_left():
+    assert UNIT.vocab_size == 260 and UNIT.token_bytes()[259] == b"    "
+    text = "if x:\n" + " " * 8 + "y  = 1" + " " * 9 + "#\n" + " " * 3 + "z"
+    want = list(b"if x:\n") + [259, 259] + list(b"y  = 1") + [259, 259, 32]
+    want += list(b"#\n   z")
+    assert UNIT.encode(text) == want
+    assert UNIT.decode(want) == text
+    assert ByteTokenizer(space_unit=4, chat_tags=True).tag_id("<|system|>") == 260
+    with pytest.raises(ValueError, match="two vocabularies"):
+        ByteTokenizer(16, space_unit=4)
+    with pytest.raises(ValueError, match="no id holds a run of 3"):
+        UNIT.run_id(3)
+
+
+@SETTINGS
+@given(st.lists(st.sampled_from([32, 32, 32, 10, 97, 256, 257]), max_size=80))
+def test_merging_ids_into_a_space_unit_is_encoding_their_bytes(ids):
+    _merging_is_encoding(UNIT, ids)
+
+
+def test_space_unit_directory_is_transformers_tokenizer_exactly(hf_unit):
+    d, hf = hf_unit
+    ours = load_tokenizer(d)
+    assert type(ours) is ByteTokenizer and (ours.space_unit, ours.space_runs) == (4, 0)
+    assert (len(hf), hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (260, 256, 257, 258)
+    for text in corpus() + ["  ", " " * 33, "a" + " " * 17 + "b", "\t    \t     x"]:
+        ids = UNIT.encode(text)
+        assert hf.encode(text) == ids == ours.encode(text)
+        for skip in (True, False):
+            assert hf.decode(ids, skip_special_tokens=skip) == UNIT.decode(ids, skip)
+
+
+@SETTINGS
+@given(st.text(alphabet=st.sampled_from(" \n\tab<eos>é😀"), max_size=120))
+def test_space_unit_any_text(hf_unit, text):
+    assert hf_unit[1].encode(text) == UNIT.encode(text)
+    assert UNIT.decode(UNIT.encode(text)) == text
+
+
 # ---- chat tags (a trainer run's --chat-tags) ------------------------------------------------
 TAGGED = ByteTokenizer(16, chat_tags=True)
 

@@ -729,6 +729,34 @@ def test_a_space_run_run_exports_its_tokenizer_and_resumes_only_as_itself(tmp_pa
         td.train(tmp_path / "run", steps=2, seed=3)
 
 
+def test_a_space_unit_run_exports_its_tokenizer_and_resumes_only_as_itself(tmp_path):
+    from transformers import AutoTokenizer
+
+    from dist_glm5.checkpoint.tokenizer import load_tokenizer
+
+    td.train(
+        tmp_path / "run", steps=1, seed=3, reindent=True, space_unit=4, export_to=tmp_path / "exp"
+    )
+    cfg = json.loads((tmp_path / "exp" / "config.json").read_text())
+    tok = load_tokenizer(tmp_path / "exp")
+    assert cfg["vocab_size"] == tok.vocab_size == 260 and tok.space_unit == 4
+    text = "def f():\n        return 1\n"
+    assert AutoTokenizer.from_pretrained(tmp_path / "exp").encode(text) == tok.encode(text)
+    assert tok.encode(text).count(259) == 2
+    with pytest.raises(ValueError, match="--space-unit 4"):
+        td.train(tmp_path / "run", steps=2, seed=3)
+
+
+def test_space_unit_batches_hold_the_unit_and_no_space_after_four_of_them():
+    data = td.Data(seed=5, reindent=True, tok=ByteTokenizer(space_unit=4), inner_spaces=2)
+    ids = data.batch(step=7, seq=512, batch=8, mix="base")[0]
+    flat = ids.reshape(-1).tolist()
+    assert 259 in flat and max(flat) < 260
+    # re-indented code is at most 16 spaces deep and inner runs are cut to 2: four units end a run
+    after4 = [flat[i + 4] for i in range(len(flat) - 4) if flat[i : i + 4] == [259] * 4]
+    assert 259 not in after4 and 32 not in after4
+
+
 # ---- chat tags (--chat-tags) ---------------------------------------------------------------------
 TAGGED = ByteTokenizer(16, chat_tags=True)
 

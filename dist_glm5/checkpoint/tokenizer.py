@@ -19,9 +19,11 @@ from pathlib import Path
 BYTE_TOKENIZER = "DistGlm5ByteTokenizer"
 MARKER = "dist_glm5_tokenizer"  # the tokenizer_config.json key naming ours (for our loader)
 RUNS_KEY = "dist_glm5_space_runs"  # and its longest space run (absent: 0, bytes only)
+UNIT_KEY = "dist_glm5_space_unit"  # or its one run length (absent: 0)
 TAGS_KEY = "dist_glm5_chat_tags"  # and whether CHAT_TAGS are ids (absent: false)
-# a run of k spaces is id RUN_BASE + k: FIRST_RUN_ID (k = 2) comes right after <bos> <eos> <pad>
-RUN_BASE, FIRST_RUN_ID = 257, 259
+# the space-run ids come right after <bos> <eos> <pad>, shortest first (with space_runs R, a run of
+# k spaces is id 257 + k)
+FIRST_RUN_ID = 259
 # the chat format's tags (byte_chat.simple_chat), one id each after the runs: GLM's tokenizer has
 # them as single tokens too
 CHAT_TAGS = (
@@ -45,32 +47,50 @@ ENCODE_PIECE = 1 << 18  # bytes listed per call: a 4 MB prompt would hold the GI
 
 class ByteTokenizer:
     """ids 0..255 are bytes; then <bos>, <eos>, <pad>; then, with space_runs R > 1, runs of 2..R
-    spaces (id 257 + k for a run of k), taken greedily from the left; then, with chat_tags, one id
-    per tag of CHAT_TAGS. Needs no download.
+    spaces (id 257 + k for a run of k), taken greedily from the left, or, with space_unit U > 1,
+    one id (259) for exactly U spaces, taken U at a time from the left (a run of 9 with U = 4:
+    two ids and a space); then, with chat_tags, one id per tag of CHAT_TAGS. Needs no download.
 
     Why runs: a byte model chooses an indentation one space at a time, and greedy decoding of
     the trained default model kept choosing "one more" (96 spaces after a line of code). With a
     run one id, the indentation is one choice, and after a run (longest first) comes no space.
     Why tags: in bytes, `<arg_value>` and `</arg_value>` end with the same 10 bytes, and a model
     that missed the `/` 11 bytes back closed a call where its value should start; one id each,
-    the previous id tells them apart. GLM's own tokenizer has whitespace-run and tag ids too."""
+    the previous id tells them apart. Why a unit: with every run one id, the inner runs were
+    merged too and the draft lost its easiest tokens (docs/trained_default.md, b1); with one id
+    per indentation step, an indentation is a few ids a head can count, each after the first an
+    easy draft. GLM's own tokenizer has whitespace-run and tag ids too."""
 
     SPECIAL = {256: "<bos>", 257: "<eos>", 258: "<pad>"}
 
-    def __init__(self, space_runs: int = 0, chat_tags: bool = False) -> None:
+    def __init__(self, space_runs: int = 0, chat_tags: bool = False, space_unit: int = 0) -> None:
         if space_runs < 0 or space_runs == 1:
             raise ValueError(f"space_runs={space_runs}: 0 (bytes only) or the longest run, >= 2")
+        if space_unit < 0 or space_unit == 1:
+            raise ValueError(f"space_unit={space_unit}: 0 (none) or the run length of its id, >= 2")
+        if space_runs and space_unit:
+            raise ValueError("space_runs and space_unit are two vocabularies: give one of them")
         self.bos_id, self.eos_id, self.pad_id = 256, 257, 258
-        self.space_runs, self.chat_tags = space_runs, chat_tags
-        self.first_tag_id = FIRST_RUN_ID + max(0, space_runs - 1)
+        self.space_runs, self.chat_tags, self.space_unit = space_runs, chat_tags, space_unit
+        # the lengths of the runs that are ids, in id order
+        units = range(space_unit, space_unit + 1) if space_unit else range(0)
+        self.run_lengths = range(2, space_runs + 1) if space_runs else units
+        self.first_tag_id = FIRST_RUN_ID + len(self.run_lengths)
         self.tags = CHAT_TAGS if chat_tags else ()
         self.vocab_size = self.first_tag_id + len(self.tags)
         self._tag_ids = {t.encode(): self.first_tag_id + i for i, t in enumerate(self.tags)}
         pieces = [re.escape(t) for t in self._tag_ids]
         if space_runs:
             pieces.append(rb" {2,%d}" % space_runs)
+        if space_unit:
+            pieces.append(rb" {%d}" % space_unit)
         self._pieces = re.compile(b"|".join(pieces)) if pieces else None
         self._bytes = self.token_bytes()
+
+    @property
+    def space_ids(self) -> bool:
+        """Are runs of spaces ids (space_runs or space_unit)?"""
+        return bool(self.run_lengths)
 
     @property
     def merges(self) -> bool:
@@ -78,8 +98,10 @@ class ByteTokenizer:
         return self._pieces is not None
 
     def run_id(self, k: int) -> int:
-        """The id of a run of k spaces (2 <= k <= space_runs)."""
-        return RUN_BASE + k
+        """The id of a run of k spaces (k in run_lengths)."""
+        if k not in self.run_lengths:
+            raise ValueError(f"no id holds a run of {k} spaces (runs: {list(self.run_lengths)})")
+        return FIRST_RUN_ID + self.run_lengths.index(k)
 
     def tag_id(self, tag: str) -> int:
         return self._tag_ids[tag.encode()]
@@ -93,7 +115,7 @@ class ByteTokenizer:
             for m in self._pieces.finditer(data):
                 out += data[i : m.start()]
                 piece = m.group(0)
-                out.append(self._tag_ids.get(piece) or RUN_BASE + len(piece))
+                out.append(self._tag_ids.get(piece) or self.run_id(len(piece)))
                 i = m.end()
             return out + list(data[i:])
         if len(data) <= ENCODE_PIECE:
@@ -105,8 +127,8 @@ class ByteTokenizer:
 
     def merge(self, ids: list[int]) -> tuple[list[int], list[int]]:
         """ids (bytes, special ids among them) -> (the ids this tokenizer reads them as: every
-        tag one id, every run of 2..space_runs spaces one id, longest first from the left; where
-        each new id starts in the old ids)."""
+        tag one id, every run of 2..space_runs spaces one id, longest first from the left, or
+        every space_unit spaces one id from the left; where each new id starts in the old ids)."""
         out, starts, i, n = [], [], 0, len(ids)
         tags = self._tag_ids
         while i < n:
@@ -119,7 +141,11 @@ class ByteTokenizer:
             elif new == 32 and self.space_runs:
                 while k < self.space_runs and i + k < n and ids[i + k] == 32:
                     k += 1
-                new = 32 if k == 1 else RUN_BASE + k
+                new = 32 if k == 1 else self.run_id(k)
+            elif new == 32 and self.space_unit:
+                u = self.space_unit
+                if ids[i : i + u] == [32] * u:
+                    k, new = u, self.run_id(u)
             out.append(new)
             starts.append(i)
             i += k
@@ -127,7 +153,7 @@ class ByteTokenizer:
 
     def token_bytes(self) -> list[bytes]:
         """Every id's bytes, in id order (what a grammar engine indexes: sampling/grammar.py)."""
-        runs = [b" " * k for k in range(2, self.space_runs + 1)]
+        runs = [b" " * k for k in self.run_lengths]
         specials = [b"<bos>", b"<eos>", b"<pad>"]
         return [bytes([i]) for i in range(256)] + specials + runs + list(self._tag_ids)
 
@@ -169,7 +195,8 @@ def load_tokenizer(model_dir: str | Path):
     if tc.exists():
         cfg = json.loads(tc.read_text())
         if BYTE_TOKENIZER in (cfg.get(MARKER), cfg.get("tokenizer_class")):  # the latter: old dirs
-            return ByteTokenizer(int(cfg.get(RUNS_KEY, 0)), bool(cfg.get(TAGS_KEY, False)))
+            runs, tags, unit = cfg.get(RUNS_KEY, 0), cfg.get(TAGS_KEY, False), cfg.get(UNIT_KEY, 0)
+            return ByteTokenizer(int(runs), bool(tags), int(unit))
     if (d / "tokenizer.json").exists():
         return HFTokenizer(d / "tokenizer.json")
     return None
@@ -187,12 +214,12 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(sorted(out.items()))
 
 
-def hf_tokenizer_json(space_runs: int = 0, chat_tags: bool = False) -> str:
-    """tokenizer.json (Hugging Face tokenizers) equal to ByteTokenizer(space_runs, chat_tags):
-    ids and text alike."""
+def hf_tokenizer_json(space_runs: int = 0, chat_tags: bool = False, space_unit: int = 0) -> str:
+    """tokenizer.json (Hugging Face tokenizers) equal to ByteTokenizer(space_runs, chat_tags,
+    space_unit): ids and text alike."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    bt = ByteTokenizer(space_runs, chat_tags)
+    bt = ByteTokenizer(space_runs, chat_tags, space_unit)
     uni = _bytes_to_unicode()
     vocab = {ch: b for b, ch in uni.items()}
     specials = [bt.SPECIAL[i] for i in sorted(bt.SPECIAL)]
@@ -200,11 +227,13 @@ def hf_tokenizer_json(space_runs: int = 0, chat_tags: bool = False) -> str:
         # every piece one id: a tag, a run of spaces (longest first) or one byte's character (a
         # tag's characters are printable ASCII: byte-level keeps them as they are)
         vocab.update({t: i for i, t in bt.SPECIAL.items()})
-        vocab.update({uni[32] * k: bt.run_id(k) for k in range(2, space_runs + 1)})
+        vocab.update({uni[32] * k: bt.run_id(k) for k in bt.run_lengths})
         vocab.update({t: bt.tag_id(t) for t in bt.tags})
         pieces = [re.escape(t) for t in bt.tags]
         if space_runs:
             pieces.append(f"{uni[32]}{{2,{space_runs}}}")
+        if space_unit:
+            pieces.append(f"{uni[32]}{{{space_unit}}}")
         tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=specials[-1]))
         split = pre_tokenizers.Split(Regex("|".join([*pieces, "."])), "isolated")
         tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -221,9 +250,9 @@ def hf_tokenizer_json(space_runs: int = 0, chat_tags: bool = False) -> str:
     return tok.to_str(pretty=True) + "\n"
 
 
-def hf_tokenizer_config(space_runs: int = 0, chat_tags: bool = False) -> dict:
+def hf_tokenizer_config(space_runs: int = 0, chat_tags: bool = False, space_unit: int = 0) -> dict:
     """tokenizer_config.json: transformers' fast tokenizer over tokenizer.json, and our marker."""
-    bt = ByteTokenizer(space_runs, chat_tags)
+    bt = ByteTokenizer(space_runs, chat_tags, space_unit)
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         MARKER: BYTE_TOKENIZER,
@@ -237,16 +266,22 @@ def hf_tokenizer_config(space_runs: int = 0, chat_tags: bool = False) -> dict:
         cfg[RUNS_KEY] = space_runs
     if chat_tags:
         cfg[TAGS_KEY] = True
+    if space_unit:
+        cfg[UNIT_KEY] = space_unit
     return cfg
 
 
-def write_tokenizer_files(model_dir: str | Path, space_runs: int = 0, chat_tags: bool = False):
+def write_tokenizer_files(
+    model_dir: str | Path, space_runs: int = 0, chat_tags: bool = False, space_unit: int = 0
+):
     """The byte tokenizer's files in model_dir: tokenizer.json and tokenizer_config.json (each
     replaced atomically; tokenizer.json first, so a reader never finds the new config alone)."""
     d = Path(model_dir)
     files = {
-        "tokenizer.json": hf_tokenizer_json(space_runs, chat_tags),
-        "tokenizer_config.json": json.dumps(hf_tokenizer_config(space_runs, chat_tags), indent=2)
+        "tokenizer.json": hf_tokenizer_json(space_runs, chat_tags, space_unit),
+        "tokenizer_config.json": json.dumps(
+            hf_tokenizer_config(space_runs, chat_tags, space_unit), indent=2
+        )
         + "\n",
     }
     for name, text in files.items():

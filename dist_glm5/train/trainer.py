@@ -535,12 +535,13 @@ class Trainer:
         if self.tok.vocab_size != cfg.vocab_size:
             raise ValueError(
                 f"vocab_size {cfg.vocab_size}, but the tokenizer has {self.tok.vocab_size} ids: "
-                "pass the run's tokenizer (tok=ByteTokenizer(space_runs, chat_tags))"
+                "pass the run's tokenizer (tok=ByteTokenizer(space_runs, chat_tags, space_unit))"
             )
-        if len(offsets) > COLUMN_HEAD and not self.tok.space_runs:
+        if len(offsets) > COLUMN_HEAD and not self.tok.space_ids:
             raise ValueError(
                 f"offsets {offsets} take head {COLUMN_HEAD} of layer {OFFSET_LAYER}, the column "
-                "head: only with space runs (--space-runs N), which turn the column losses off"
+                "head: only with space ids (--space-runs N or --space-unit N), which turn the "
+                "column losses off"
             )
         self.offsets = tuple(offsets)
         self.n_read = cfg.vocab_size if self.tok.merges else 256
@@ -634,7 +635,7 @@ class Trainer:
             readout = readout + F.cross_entropy(lo.reshape(-1, n), byte)
         n_off = len(self.offsets)
         out = {"offset": offset / n_off, "readout": readout / n_off}
-        if self.tok.space_runs:  # an indentation is one id: nothing to count (no column losses)
+        if self.tok.space_ids:  # the column losses count bytes; a run id holds several
             out.update(dict.fromkeys(("window", "run", "indent"), w.sum() * 0.0))
         else:
             out.update(self._column_losses(ids, w[:, COLUMN_HEAD]))
@@ -1295,6 +1296,7 @@ def train(
     inner_spaces: int = 0,
     space_runs: int = 0,
     chat_tags: bool = False,
+    space_unit: int = 0,
     offset_heads: int = len(OFFSETS),
     kv_lora_rank: int = TRAIN_CONFIG["kv_lora_rank"],
     match_head: bool = False,
@@ -1314,19 +1316,20 @@ def train(
     reindent: the training code re-indented by corpus.reindent (off: the committed recipe);
     inner_spaces: the training code's runs of spaces inside a line cut to at most this many
     (corpus.squeeze_inner_spaces; 0: unchanged, the committed recipe; data, not a shape);
-    space_runs, chat_tags: the vocabulary of ByteTokenizer(space_runs, chat_tags) (0 and false:
-    bytes, the committed recipe); offset_heads: 4 for OFFSETS_FAR (space runs only; 3: OFFSETS,
-    the committed recipe); kv_lora_rank: the width of MLA's compressed KV (64: the committed
-    recipe); match_head: supervise MATCH_HEAD (off: the committed recipe); copy_direct: the share
-    of the copy loss on the induction head's share of the logits, from the base phase on
-    (Trainer; 0: the committed recipe; a loss, not a shape, so a resume does not check it), on
-    every row ("all") or on the documents' rows only ("docs": not chat rows, which are the rows
-    holding an assistant's id); draft_greedy: the draft phase trains on the model's greedy
-    continuations of code and chat prompts (Trainer.greedy_rows) instead of the data's rows (off:
-    the committed recipe; data, not a shape: a run may switch it on when it resumes);
-    unloop_grammar: the unloop phase continues its chat prompts under the grammar each reply
-    would be served with, and pushes down empty values and repeated keys besides loops
-    (Data.unloop_batch, unloop.value_marks; off: the committed recipe; data, like draft_greedy)."""
+    space_runs, chat_tags, space_unit: the vocabulary of ByteTokenizer(space_runs, chat_tags,
+    space_unit) (0, false, 0: bytes, the committed recipe); offset_heads: 4 for OFFSETS_FAR
+    (space ids only; 3: OFFSETS, the committed recipe); kv_lora_rank: the width of MLA's
+    compressed KV (64: the committed recipe); match_head: supervise MATCH_HEAD (off: the
+    committed recipe); copy_direct: the share of the copy loss on the induction head's share of
+    the logits, from the base phase on (Trainer; 0: the committed recipe; a loss, not a shape,
+    so a resume does not check it), on every row ("all") or on the documents' rows only ("docs":
+    not chat rows, which are the rows holding an assistant's id); draft_greedy: the draft phase
+    trains on the model's greedy continuations of code and chat prompts (Trainer.greedy_rows)
+    instead of the data's rows (off: the committed recipe; data, not a shape: a run may switch
+    it on when it resumes); unloop_grammar: the unloop phase continues its chat prompts under
+    the grammar each reply would be served with, and pushes down empty values and repeated keys
+    besides loops (Data.unloop_batch, unloop.value_marks; off: the committed recipe; data, like
+    draft_greedy)."""
     if copy_direct_on not in ("all", "docs"):
         raise ValueError(f"copy_direct_on is 'all' or 'docs', not {copy_direct_on!r}")
     from tqdm import tqdm
@@ -1337,7 +1340,7 @@ def train(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     offsets = {len(OFFSETS): OFFSETS, len(OFFSETS_FAR): OFFSETS_FAR}[offset_heads]
-    shape = RunShape(space_runs, chat_tags, offsets, kv_lora_rank, match_head)
+    shape = RunShape(space_runs, chat_tags, offsets, kv_lora_rank, match_head, space_unit)
     tr = shape.trainer(seed, line_heads, copy_direct)
     data = Data(seed, reindent, tr.tok, inner_spaces)
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
@@ -1463,6 +1466,7 @@ class RunShape:
     offsets: tuple[int, ...] = OFFSETS
     kv_lora_rank: int = TRAIN_CONFIG["kv_lora_rank"]
     match_head: bool = False
+    space_unit: int = 0
 
     @classmethod
     def of_state(cls, st: dict) -> RunShape:
@@ -1475,7 +1479,7 @@ class RunShape:
         return dataclasses.asdict(self)
 
     def tokenizer(self) -> ByteTokenizer:
-        return ByteTokenizer(self.space_runs, self.chat_tags)
+        return ByteTokenizer(self.space_runs, self.chat_tags, self.space_unit)
 
     def trainer(self, seed: int, line_heads: bool = False, copy_direct: float = 0.0) -> Trainer:
         tok = self.tokenizer()
@@ -1485,6 +1489,8 @@ class RunShape:
     def flags(self) -> str:
         """train-default's flags for this shape; the committed recipe's values are left out."""
         out = [f"--space-runs {self.space_runs}"] + (["--chat-tags"] if self.chat_tags else [])
+        if self.space_unit:
+            out.append(f"--space-unit {self.space_unit}")
         if self.offsets != OFFSETS:
             out.append(f"--offset-heads {len(self.offsets)}")
         if self.kv_lora_rank != TRAIN_CONFIG["kv_lora_rank"]:
@@ -1534,7 +1540,7 @@ def export(tr: Trainer, dst: Path) -> None:
     sd = {k: v.float() if k.endswith(fp32) else v.to(torch.bfloat16) for k, v in sd.items()}
     raw = train_config(tr.tok, tr.model.config.kv_lora_rank)
     (dst / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    write_tokenizer_files(dst, tr.tok.space_runs, tr.tok.chat_tags)
+    write_tokenizer_files(dst, tr.tok.space_runs, tr.tok.chat_tags, tr.tok.space_unit)
     save_streaming(dst / "model.safetensors", sd, metadata={"format": "pt"})
     log.info("exported %d tensors to %s", len(sd), dst)
     rep = {"heldout_loss_test_slice": heldout_loss(dst), "test_slice": TEST_SLICE}
