@@ -176,6 +176,48 @@ def test_mla_decode_bits_ignore_threads_and_batch():
     assert ulps(outs[0], want).max() <= 1 and (outs[0] == want).float().mean() > 0.99
 
 
+_MLA_TILES = r"""
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_decode_kernels import _decode_case
+from dist_glm5.kernels import mla_decode
+from dist_glm5.ops import attention
+from dist_glm5.ops.linear import einsum_fp32_gemm
+a = _decode_case(torch.bfloat16, n=32, seed=4)
+got = mla_decode.absorbed_gathered(*a, 0.1, 1 << 29)
+want = attention.absorbed_gathered(*a, 0.1, 1 << 29, einsum=einsum_fp32_gemm)
+qn, qr, w, kv, slots, valid, nope = a
+exact = attention.absorbed_gathered(
+    qn.double(), qr.double(), w.double(), kv.double(), slots, valid, nope, 0.1, 1 << 29
+)
+# the torch form's bits almost everywhere (an output near 0 may differ in sign: no ulps bound);
+# three bf16 roundings against float64 throughout
+assert (got == want).float().mean() > 0.99
+assert ((got.double() - exact).abs() <= 0.02 * exact.abs().max()).all()
+for i in (0, 5, 31):  # a row alone: the same bits as among 32 (phase 4's tiles take 1 and 6)
+    one = [qn[i : i + 1], qr[i : i + 1], w, kv, slots[i : i + 1], valid[i : i + 1], nope]
+    assert torch.equal(mla_decode.absorbed_gathered(*one, 0.1, 1 << 29)[0], got[i])
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("fp32_tiles,zmm", [("1", "0"), ("1", "1"), ("0", "1")])
+def test_mla_decode_on_every_tile_path_of_its_output_projection(fp32_tiles, zmm):
+    """Phase 4 (o_lat . W_uv^T) takes gemv_tiles.h's 8-lane fp32 tiles, the 16-lane ones (AVX-512
+    without AVX512-BF16) or the vdpbf16ps ones by the CPU and DIST_GLM5_GEMV_FP32 / _ZMM: each in a
+    fresh process, against the torch form, 32 rows at once and alone."""
+    import os
+    import sys
+
+    env = {**os.environ, "DIST_GLM5_GEMV_FP32": fp32_tiles, "DIST_GLM5_GEMV_ZMM": zmm}
+    here = str(Path(__file__).parent)
+    r = subprocess.run(
+        [sys.executable, "-c", _MLA_TILES, here], env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_experts_are_the_loops_roundings(threads):
     """Every bf16 rounding where the Python loop's torch ops round: equal to it but for the

@@ -274,6 +274,7 @@ CLONES int mla_decode(const void *q_nope, int64_t qn_i, int64_t qn_j, const void
     /* bf16 arrays: phase 4 is gemv_tiles.h's product (the AVX512-BF16 tiles where the CPU has
      * them and DIST_GLM5_GEMV_FP32 is unset), o_lat its rows and W_uv its weight rows */
     const int dot16 = is_bf16 && bf16dot();
+    const int z16 = is_bf16 && zmm(); /* or the 16-lane fp32 tiles (AVX-512 without BF16) */
     float *qT = malloc(sizeof(float) * ((size_t)n * qsize + 8));
     float *parts = malloc(sizeof(float) * ((size_t)n * nseg * psize + 8));
     float *scratch = malloc(sizeof(float) * ((size_t)per * nt + 8));
@@ -343,6 +344,9 @@ CLONES int mla_decode(const void *q_nope, int64_t qn_i, int64_t qn_j, const void
             if (dot16)
                 quad16(ol16 + xo, n, c, (const uint16_t *)wkvb + w_uv, v0, nv,
                        (uint16_t *)out + (int64_t)j * v, h * v);
+            else if (z16)
+                quadz(ol + xo, n, c, (const uint16_t *)wkvb + w_uv, v0, nv,
+                      (uint16_t *)out + (int64_t)j * v, h * v);
             else if (is_bf16)
                 rows(ol + xo, n, c, (const uint16_t *)wkvb + w_uv, v0, nv, NULL,
                      (uint16_t *)out + (int64_t)j * v, h * v);
