@@ -227,13 +227,6 @@ def test_old_directory_still_takes_the_byte_tokenizer(tmp_path):
 RUNS = ByteTokenizer(16)
 
 
-@pytest.fixture(scope="module")
-def hf_runs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("runs")
-    write_tokenizer_files(d, 16)
-    return d, AutoTokenizer.from_pretrained(d)
-
-
 def test_space_runs_are_one_id_each_longest_first():
     assert RUNS.vocab_size == 259 + 15
     text = "if x:\n" + " " * 8 + "y  = 1" + " " * 17 + "#\n" + " " * 40 + "z"
@@ -267,37 +260,8 @@ def test_merging_ids_is_encoding_their_bytes(ids):
     _merging_is_encoding(RUNS, ids)
 
 
-def test_space_runs_directory_is_transformers_tokenizer_exactly(hf_runs):
-    d, hf = hf_runs
-    ours = load_tokenizer(d)
-    assert type(ours) is ByteTokenizer and ours.space_runs == 16
-    assert (len(hf), hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (274, 256, 257, 258)
-    assert sorted(hf.get_vocab().values()) == list(range(274))
-    for text in corpus() + ["  ", " " * 33, "a" + " " * 17 + "b", "\t  \t   x"]:
-        ids = RUNS.encode(text)
-        assert hf.encode(text) == ids == ours.encode(text)
-        for skip in (True, False):
-            assert hf.decode(ids, skip_special_tokens=skip) == RUNS.decode(ids, skip)
-    for i in range(RUNS.vocab_size):
-        assert hf.decode([65, i, 66], skip_special_tokens=False) == RUNS.decode([65, i, 66], False)
-
-
-@SETTINGS
-@given(st.text(alphabet=st.sampled_from(" \n\tab<eos>é😀"), max_size=120))
-def test_space_runs_any_text(hf_runs, text):
-    assert hf_runs[1].encode(text) == RUNS.encode(text)
-    assert RUNS.decode(RUNS.encode(text)) == text
-
-
 # ---- a space unit (a trainer run's --space-unit) -------------------------------------------
 UNIT = ByteTokenizer(space_unit=4)
-
-
-@pytest.fixture(scope="module")
-def hf_unit(tmp_path_factory):
-    d = tmp_path_factory.mktemp("unit")
-    write_tokenizer_files(d, space_unit=4)
-    return d, AutoTokenizer.from_pretrained(d)
 
 
 def test_a_space_unit_is_one_id_for_exactly_its_spaces_from_the_left():
@@ -320,23 +284,41 @@ def test_merging_ids_into_a_space_unit_is_encoding_their_bytes(ids):
     _merging_is_encoding(UNIT, ids)
 
 
-def test_space_unit_directory_is_transformers_tokenizer_exactly(hf_unit):
-    d, hf = hf_unit
-    ours = load_tokenizer(d)
-    assert type(ours) is ByteTokenizer and (ours.space_unit, ours.space_runs) == (4, 0)
-    assert (len(hf), hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (260, 256, 257, 258)
-    for text in corpus() + ["  ", " " * 33, "a" + " " * 17 + "b", "\t    \t     x"]:
-        ids = UNIT.encode(text)
+SPACE_IDS = {"runs": (RUNS, {"space_runs": 16}), "unit": (UNIT, {"space_unit": 4})}
+
+
+@pytest.fixture(scope="module", params=list(SPACE_IDS))
+def hf_spaces(request, tmp_path_factory):
+    """(ours, its directory, transformers' tokenizer of that directory), for either vocabulary
+    with space ids."""
+    tok, kw = SPACE_IDS[request.param]
+    d = tmp_path_factory.mktemp(request.param)
+    write_tokenizer_files(d, **kw)
+    return tok, d, AutoTokenizer.from_pretrained(d)
+
+
+def test_space_ids_directory_is_transformers_tokenizer_exactly(hf_spaces):
+    tok, d, hf = hf_spaces
+    ours, n = load_tokenizer(d), tok.vocab_size
+    assert type(ours) is ByteTokenizer
+    assert (ours.space_runs, ours.space_unit) == (tok.space_runs, tok.space_unit)
+    assert (len(hf), hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (n, 256, 257, 258)
+    assert sorted(hf.get_vocab().values()) == list(range(n))
+    for text in corpus() + ["  ", " " * 33, "a" + " " * 17 + "b", "\t  \t   x", "\t    \t     x"]:
+        ids = tok.encode(text)
         assert hf.encode(text) == ids == ours.encode(text)
         for skip in (True, False):
-            assert hf.decode(ids, skip_special_tokens=skip) == UNIT.decode(ids, skip)
+            assert hf.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip)
+    for i in range(n):
+        assert hf.decode([65, i, 66], skip_special_tokens=False) == tok.decode([65, i, 66], False)
 
 
 @SETTINGS
 @given(st.text(alphabet=st.sampled_from(" \n\tab<eos>é😀"), max_size=120))
-def test_space_unit_any_text(hf_unit, text):
-    assert hf_unit[1].encode(text) == UNIT.encode(text)
-    assert UNIT.decode(UNIT.encode(text)) == text
+def test_space_ids_any_text(hf_spaces, text):
+    tok, _, hf = hf_spaces
+    assert hf.encode(text) == tok.encode(text)
+    assert tok.decode(tok.encode(text)) == text
 
 
 # ---- chat tags (a trainer run's --chat-tags) ------------------------------------------------
