@@ -80,10 +80,8 @@ class ByteTokenizer:
         self.vocab_size = self.first_tag_id + len(self.tags)
         self._tag_ids = {t.encode(): self.first_tag_id + i for i, t in enumerate(self.tags)}
         pieces = [re.escape(t) for t in self._tag_ids]
-        if space_runs:
-            pieces.append(rb" {2,%d}" % space_runs)
-        if space_unit:
-            pieces.append(rb" {%d}" % space_unit)
+        if self.run_lengths:  # greedy: the longest run that is an id (runs) or the unit
+            pieces.append(rb" {%d,%d}" % (self.run_lengths[0], self.run_lengths[-1]))
         self._pieces = re.compile(b"|".join(pieces)) if pieces else None
         self._bytes = self.token_bytes()
 
@@ -138,14 +136,14 @@ class ByteTokenizer:
                     if ids[i : i + len(tb)] == list(tb):
                         k, new = len(tb), tid
                         break
-            elif new == 32 and self.space_runs:
-                while k < self.space_runs and i + k < n and ids[i + k] == 32:
+            elif new == 32 and self.run_lengths:  # the regex's " {lo,hi}", greedy
+                lo, hi = self.run_lengths[0], self.run_lengths[-1]
+                while k < hi and i + k < n and ids[i + k] == 32:
                     k += 1
-                new = 32 if k == 1 else self.run_id(k)
-            elif new == 32 and self.space_unit:
-                u = self.space_unit
-                if ids[i : i + u] == [32] * u:
-                    k, new = u, self.run_id(u)
+                if k >= lo:
+                    new = self.run_id(k)
+                else:  # too short for an id: one space
+                    k = 1
             out.append(new)
             starts.append(i)
             i += k
@@ -230,10 +228,8 @@ def hf_tokenizer_json(space_runs: int = 0, chat_tags: bool = False, space_unit: 
         vocab.update({uni[32] * k: bt.run_id(k) for k in bt.run_lengths})
         vocab.update({t: bt.tag_id(t) for t in bt.tags})
         pieces = [re.escape(t) for t in bt.tags]
-        if space_runs:
-            pieces.append(f"{uni[32]}{{2,{space_runs}}}")
-        if space_unit:
-            pieces.append(f"{uni[32]}{{{space_unit}}}")
+        if bt.run_lengths:  # as ByteTokenizer's regex
+            pieces.append(f"{uni[32]}{{{bt.run_lengths[0]},{bt.run_lengths[-1]}}}")
         tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=specials[-1]))
         split = pre_tokenizers.Split(Regex("|".join([*pieces, "."])), "isolated")
         tok.pre_tokenizer = pre_tokenizers.Sequence(
