@@ -95,6 +95,14 @@ def register(p: argparse.ArgumentParser) -> None:
         "< N; 0: bytes only, the committed recipe)",
     )
     p.add_argument(
+        "--bpe",
+        type=int,
+        default=0,
+        help="a byte-level BPE vocabulary of N ids learnt on the training code (checkpoint/"
+        "bpe.py; about 2.7 bytes of code an id at 2048, so a step sees that much more text), the "
+        "chat tags among them (0: bytes only, the committed recipe)",
+    )
+    p.add_argument(
         "--chat-tags",
         action="store_true",
         help="one id for each tag of the chat format (<tool_call>, </arg_value>, <|user|>, ...; "
@@ -199,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         space_runs=args.space_runs,
         chat_tags=args.chat_tags,
         space_unit=args.space_unit,
+        bpe=args.bpe,
         offset_heads=args.offset_heads,
         kv_lora_rank=args.kv_lora_rank,
         match_head=args.match_head,

@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 BYTE_TOKENIZER = "DistGlm5ByteTokenizer"
+BPE_TOKENIZER = "DistGlm5BpeTokenizer"  # checkpoint/bpe.py
 MARKER = "dist_glm5_tokenizer"  # the tokenizer_config.json key naming ours (for our loader)
 RUNS_KEY = "dist_glm5_space_runs"  # and its longest space run (absent: 0, bytes only)
 UNIT_KEY = "dist_glm5_space_unit"  # or its one run length (absent: 0)
@@ -192,6 +193,10 @@ def load_tokenizer(model_dir: str | Path):
     tc = d / "tokenizer_config.json"
     if tc.exists():
         cfg = json.loads(tc.read_text())
+        if cfg.get(MARKER) == BPE_TOKENIZER:
+            from .bpe import from_tokenizer_json
+
+            return from_tokenizer_json((d / "tokenizer.json").read_text(encoding="utf-8"))
         if BYTE_TOKENIZER in (cfg.get(MARKER), cfg.get("tokenizer_class")):  # the latter: old dirs
             runs, tags, unit = cfg.get(RUNS_KEY, 0), cfg.get(TAGS_KEY, False), cfg.get(UNIT_KEY, 0)
             return ByteTokenizer(int(runs), bool(tags), int(unit))
@@ -272,7 +277,6 @@ def write_tokenizer_files(
 ):
     """The byte tokenizer's files in model_dir: tokenizer.json and tokenizer_config.json (each
     replaced atomically; tokenizer.json first, so a reader never finds the new config alone)."""
-    d = Path(model_dir)
     files = {
         "tokenizer.json": hf_tokenizer_json(space_runs, chat_tags, space_unit),
         "tokenizer_config.json": json.dumps(
@@ -280,6 +284,13 @@ def write_tokenizer_files(
         )
         + "\n",
     }
+    write_files(model_dir, files)
+
+
+def write_files(model_dir: str | Path, files: dict[str, str]) -> None:
+    """Each file replaced atomically, in order (tokenizer.json first: a reader never finds a
+    new config alone)."""
+    d = Path(model_dir)
     for name, text in files.items():
         tmp = d / f".{name}.tmp{os.getpid()}"
         tmp.write_text(text, encoding="utf-8")

@@ -81,6 +81,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from dist_glm5.checkpoint.bpe import BpeTokenizer
 from dist_glm5.checkpoint.tokenizer import FIRST_RUN_ID, ByteTokenizer
 
 from . import unloop
@@ -1060,19 +1061,24 @@ class Data:
         where the byte is not inside a repeat, whether the id is an assistant's (chat rows))."""
         f, u = MIXES[mix], rng.random()
         src = None
-        m = n + n // 2 if self.tok.merges else n  # bytes enough for n ids once merged
+        m = self.row_bytes(n)  # bytes enough for n ids once merged
         if u < f["needle"]:
-            if rng.random() < 0.5:
-                filler = self.window(rng, n)
-            else:
-                filler = self.corpus.prose_filler(rng, n, classic=rng.random() < 0.3)
-            k = rng.choice([2, 3, 4, 6, 8])
-            doc, src = self.corpus.needle_training_doc(rng, filler, k)
+
+            def needles(nb: int):
+                if rng.random() < 0.5:
+                    filler = self.window(rng, nb)
+                else:
+                    filler = self.corpus.prose_filler(rng, nb, classic=rng.random() < 0.3)
+                k = rng.choice([2, 3, 4, 6, 8])
+                return self.corpus.needle_training_doc(rng, filler, k)
+
+            doc, src = self.fit(rng, needles, n) if self.bpe else needles(n)
         elif u < f["needle"] + f["copy"]:
-            text = self.window(rng, n)
+            text = self.window(rng, m if self.bpe else n)
             doc, src = self.corpus.copy_training_doc(rng, text, rng.choice([1, 2, 3]))
         elif u < f["needle"] + f["copy"] + f["repeat"]:
-            doc, src = self.corpus.repeat_training_doc(rng, self.window(rng, n), n)
+            nb = m if self.bpe else n
+            doc, src = self.corpus.repeat_training_doc(rng, self.window(rng, nb), nb)
         elif u < f["needle"] + f["copy"] + f["repeat"] + f["chat"]:
             ids, src, reply = self.chat.chat_row(rng, self.words, m, self.text)  # <eos> in ids
             return self._row(ids, src, reply, n)
@@ -1080,6 +1086,31 @@ class Data:
             doc = self.window(rng, m)
         src = list(src or []) + [-1] * (len(doc) - len(src or []))
         return self._row(list(doc), src, [False] * len(doc), n)
+
+    @property
+    def bpe(self) -> bool:
+        return isinstance(self.tok, BpeTokenizer)
+
+    def row_bytes(self, n: int) -> int:
+        """Bytes enough for n ids once merged: BPE pieces hold about 2.7 bytes of code, 2 of
+        the chats' words and 1.5 of the needles' random values."""
+        if self.bpe:
+            return 4 * n
+        return n + n // 2 if self.tok.merges else n
+
+    def fit(self, rng: random.Random, build, n: int):
+        """build(rng, n_bytes)'s document at the most bytes that merge to at most n ids (a
+        needle document asks its needles at the end: cut, it would not). The rng is replayed
+        from the same state for each try, so a row stays a function of the seed and step."""
+        state, nb = rng.getstate(), 3 * n
+        for _ in range(6):
+            rng.setstate(state)
+            doc, src = build(nb)
+            k = len(self.tok.merge(list(doc))[0])
+            if k <= n:
+                return doc, src
+            nb = int(nb * n / k * 0.97)
+        raise RuntimeError(f"no document of {n} ids after 6 tries (last {k} ids, {nb} bytes)")
 
     def _row(self, ids: list[int], src: list[int], reply: list[bool], n: int):
         """A row of n ids (runs and tags merged, padded with newlines or cut) and its targets."""
@@ -1297,6 +1328,7 @@ def train(
     space_runs: int = 0,
     chat_tags: bool = False,
     space_unit: int = 0,
+    bpe: int = 0,
     offset_heads: int = len(OFFSETS),
     kv_lora_rank: int = TRAIN_CONFIG["kv_lora_rank"],
     match_head: bool = False,
@@ -1340,7 +1372,7 @@ def train(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     offsets = {len(OFFSETS): OFFSETS, len(OFFSETS_FAR): OFFSETS_FAR}[offset_heads]
-    shape = RunShape(space_runs, chat_tags, offsets, kv_lora_rank, match_head, space_unit)
+    shape = RunShape(space_runs, chat_tags, offsets, kv_lora_rank, match_head, space_unit, bpe)
     tr = shape.trainer(seed, line_heads, copy_direct)
     data = Data(seed, reindent, tr.tok, inner_spaces)
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
@@ -1467,6 +1499,14 @@ class RunShape:
     kv_lora_rank: int = TRAIN_CONFIG["kv_lora_rank"]
     match_head: bool = False
     space_unit: int = 0
+    bpe: int = 0  # a BPE vocabulary of this many ids (checkpoint/bpe.py), 0: bytes
+
+    def __post_init__(self) -> None:
+        if self.bpe and (self.space_runs or self.space_unit or self.chat_tags):
+            raise ValueError(
+                "--bpe is a vocabulary of its own (the chat tags among its ids): drop "
+                "--space-runs, --space-unit and --chat-tags"
+            )
 
     @classmethod
     def of_state(cls, st: dict) -> RunShape:
@@ -1479,6 +1519,10 @@ class RunShape:
         return dataclasses.asdict(self)
 
     def tokenizer(self) -> ByteTokenizer:
+        if self.bpe:
+            from dist_glm5.checkpoint.bpe import corpus_bpe
+
+            return corpus_bpe(self.bpe)
         return ByteTokenizer(self.space_runs, self.chat_tags, self.space_unit)
 
     def trainer(self, seed: int, line_heads: bool = False, copy_direct: float = 0.0) -> Trainer:
@@ -1491,6 +1535,8 @@ class RunShape:
         out = [f"--space-runs {self.space_runs}"] + (["--chat-tags"] if self.chat_tags else [])
         if self.space_unit:
             out.append(f"--space-unit {self.space_unit}")
+        if self.bpe:
+            out.append(f"--bpe {self.bpe}")
         if self.offsets != OFFSETS:
             out.append(f"--offset-heads {len(self.offsets)}")
         if self.kv_lora_rank != TRAIN_CONFIG["kv_lora_rank"]:
@@ -1531,6 +1577,7 @@ def export_state(out: Path, dst: Path, seed: int) -> int:
 def export(tr: Trainer, dst: Path) -> None:
     """The shipped checkpoint: config.json, the byte tokenizer (ours, and as transformers'
     tokenizer.json), bf16 weights (the router in fp32: both runtimes keep it there)."""
+    from dist_glm5.checkpoint.bpe import write_bpe_files
     from dist_glm5.checkpoint.safetensors_io import save_streaming
     from dist_glm5.checkpoint.tokenizer import write_tokenizer_files
 
@@ -1540,7 +1587,10 @@ def export(tr: Trainer, dst: Path) -> None:
     sd = {k: v.float() if k.endswith(fp32) else v.to(torch.bfloat16) for k, v in sd.items()}
     raw = train_config(tr.tok, tr.model.config.kv_lora_rank)
     (dst / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    write_tokenizer_files(dst, tr.tok.space_runs, tr.tok.chat_tags, tr.tok.space_unit)
+    if isinstance(tr.tok, BpeTokenizer):
+        write_bpe_files(dst, tr.tok)
+    else:
+        write_tokenizer_files(dst, tr.tok.space_runs, tr.tok.chat_tags, tr.tok.space_unit)
     save_streaming(dst / "model.safetensors", sd, metadata={"format": "pt"})
     log.info("exported %d tensors to %s", len(sd), dst)
     rep = {"heldout_loss_test_slice": heldout_loss(dst), "test_slice": TEST_SLICE}
