@@ -932,3 +932,47 @@ def test_direct_copy_loss_is_the_induction_heads_share_of_the_models_logits():
     part.losses(two)
     rows = part.attention_supervision(two, both, torch.tensor([True, False]))["copy"]
     assert torch.allclose(rows, (0.3 * oracle + 0.7 * normalised + normalised) / 2, atol=1e-5)
+
+
+# ---- a BPE vocabulary (--bpe N) ------------------------------------------------------------------
+def test_a_bpe_run_exports_its_tokenizer_and_resumes_only_as_itself(tmp_path):
+    from transformers import AutoTokenizer
+
+    from dist_glm5.checkpoint.bpe import BpeTokenizer
+    from dist_glm5.checkpoint.tokenizer import load_tokenizer
+
+    td.train(tmp_path / "run", steps=1, seed=3, reindent=True, bpe=400, export_to=tmp_path / "exp")
+    cfg = json.loads((tmp_path / "exp" / "config.json").read_text())
+    tok = load_tokenizer(tmp_path / "exp")
+    assert type(tok) is BpeTokenizer and cfg["vocab_size"] == tok.vocab_size == 400
+    text = "def f():\n        return self.value  # <|user|>\n"
+    assert AutoTokenizer.from_pretrained(tmp_path / "exp").encode(text) == tok.encode(text)
+    assert len(tok.encode(text)) < len(text) / 2
+    rep = json.loads((tmp_path / "exp" / "train_report.json").read_text())
+    assert 1.0 < rep["heldout_loss_test_slice"] < 8.0  # nats per byte of a 1-step model
+    with pytest.raises(ValueError, match="--bpe 400"):
+        td.train(tmp_path / "run", steps=2, seed=3)
+
+
+@pytest.mark.parametrize("mix", ["base", "long"])
+def test_bpe_batches_are_full_rows_whose_induction_keys_hold_the_next_id(mix):
+    from dist_glm5.checkpoint.bpe import corpus_bpe
+
+    tok = corpus_bpe(400)
+    data = td.Data(seed=5, reindent=True, tok=tok, inner_spaces=2)
+    ids, induction, _ = data.batch(step=7, seq=512, batch=8, mix=mix)
+    assert ids.shape == induction.shape == (8, 512) and int(ids.max()) < 400
+    tb = tok.token_bytes()
+    for row in ids.tolist():  # a row is what the tokenizer makes of its bytes (but at its end:
+        # cut there, or padded with newline ids)
+        while row[-1] == 10:
+            row.pop()
+        flat = [x for i in row for x in ([i] if 256 <= i <= 258 else list(tb[i]))]
+        assert tok.merge(flat)[0][: len(row) - 8] == row[:-8]
+    assert (ids >= tok.first_merged_id).any()
+    b, t = torch.nonzero(induction >= 0, as_tuple=True)
+    assert len(t) > 0
+    k = induction[b, t]
+    same = (ids[b, k] == ids[b, t + 1]) & (ids[b, k - 1] == ids[b, t])
+    # a repeat may be cut into other pieces than its source at its edges: most keys still match
+    assert same.float().mean() > 0.8
