@@ -358,6 +358,7 @@ class _Shape:
         self.id = self.prefix + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self._texts: dict[int, str] = {}  # token id -> text: a long prompt repeats ids
+        self._token_bytes: list[bytes] | None = None
 
     def tok(self, t: int) -> str:
         """A token's text as OpenAI's logprobs name it."""
@@ -370,8 +371,10 @@ class _Shape:
 
     def tok_bytes(self, t: int) -> list[int]:
         tok = self.s.model.tokenizer
-        if tok is not None and type(tok).__name__ == "ByteTokenizer" and t < 256:
-            return [t]  # a byte of a character split across tokens
+        if hasattr(tok, "token_bytes"):  # ours: an id may hold part of a character
+            if self._token_bytes is None:
+                self._token_bytes = tok.token_bytes()
+            return list(self._token_bytes[t])
         return list(self.tok(t).encode("utf-8"))
 
     def prompt_logprobs(self, plps: list, top: int) -> orjson.Fragment:
