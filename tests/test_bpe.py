@@ -24,8 +24,13 @@ try:
 except Exception as e:  # not a skip: a missing transformers must not turn this file green
     pytest.fail(f"transformers cannot be imported ({e}); pip install -e '.[test]'", pytrace=False)
 
-from dist_glm5.checkpoint.bpe import BpeTokenizer, pieces, train_merges, write_bpe_files
-from dist_glm5.checkpoint.tokenizer import CHAT_TAGS, FIRST_RUN_ID, load_tokenizer
+from dist_glm5.checkpoint.bpe import BpeTokenizer, pieces, train_merges
+from dist_glm5.checkpoint.tokenizer import (
+    CHAT_TAGS,
+    FIRST_RUN_ID,
+    load_tokenizer,
+    write_tokenizer_files,
+)
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 CODE = b"\n".join((STDLIB / f).read_bytes() for f in ("json/decoder.py", "json/encoder.py"))
@@ -41,7 +46,7 @@ def tok() -> BpeTokenizer:
 @pytest.fixture(scope="module")
 def hf(tok, tmp_path_factory):
     d = tmp_path_factory.mktemp("bpe")
-    write_bpe_files(d, tok)
+    write_tokenizer_files(d, tok)
     return AutoTokenizer.from_pretrained(d)
 
 
@@ -131,7 +136,7 @@ def test_any_ids(hf, tok, data):
 
 
 def test_our_loader_reads_it_back(tok, tmp_path):
-    write_bpe_files(tmp_path, tok)
+    write_tokenizer_files(tmp_path, tok)
     back = load_tokenizer(tmp_path)
     assert type(back) is BpeTokenizer and back.merge_list == tok.merge_list
     text = CODE.decode()

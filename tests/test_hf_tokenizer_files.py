@@ -190,7 +190,7 @@ def test_characters_cut_anywhere(hf, text, data):
 
 # ---- the writer (the trainer's export and the random model use it) -------------------------------
 def test_written_files_equal_the_shipped_ones(tmp_path):
-    write_tokenizer_files(tmp_path, OURS.space_runs, OURS.chat_tags)
+    write_tokenizer_files(tmp_path, ByteTokenizer(OURS.space_runs, OURS.chat_tags))
     for name in ("tokenizer_config.json",):
         assert json.loads((tmp_path / name).read_text()) == json.loads(
             (TRAINED_DIR / name).read_text()
@@ -284,16 +284,16 @@ def test_merging_ids_into_a_space_unit_is_encoding_their_bytes(ids):
     _merging_is_encoding(UNIT, ids)
 
 
-SPACE_IDS = {"runs": (RUNS, {"space_runs": 16}), "unit": (UNIT, {"space_unit": 4})}
+SPACE_IDS = {"runs": RUNS, "unit": UNIT}
 
 
 @pytest.fixture(scope="module", params=list(SPACE_IDS))
 def hf_spaces(request, tmp_path_factory):
     """(ours, its directory, transformers' tokenizer of that directory), for either vocabulary
     with space ids."""
-    tok, kw = SPACE_IDS[request.param]
+    tok = SPACE_IDS[request.param]
     d = tmp_path_factory.mktemp(request.param)
-    write_tokenizer_files(d, **kw)
+    write_tokenizer_files(d, tok)
     return tok, d, AutoTokenizer.from_pretrained(d)
 
 
@@ -328,7 +328,7 @@ TAGGED = ByteTokenizer(16, chat_tags=True)
 @pytest.fixture(scope="module")
 def hf_tags(tmp_path_factory):
     d = tmp_path_factory.mktemp("tags")
-    write_tokenizer_files(d, 16, chat_tags=True)
+    write_tokenizer_files(d, TAGGED)
     return d, AutoTokenizer.from_pretrained(d)
 
 

@@ -133,6 +133,10 @@ class BpeTokenizer(ByteTokenizer):
     def merges(self) -> bool:
         return True
 
+    def hf_files(self) -> dict[str, str]:
+        cfg = json.dumps(hf_tokenizer_config(self), indent=2) + "\n"
+        return {"tokenizer.json": hf_tokenizer_json(self), "tokenizer_config.json": cfg}
+
     def token_bytes(self) -> list[bytes]:
         return super().token_bytes() + list(getattr(self, "merged", []))
 
@@ -275,16 +279,3 @@ def from_tokenizer_json(text: str) -> BpeTokenizer:
     merges = json.loads(text)["model"]["merges"]
     pairs = [m.split(" ") if isinstance(m, str) else m for m in merges]
     return BpeTokenizer([(bytes(uni[c] for c in a), bytes(uni[c] for c in b)) for a, b in pairs])
-
-
-def write_bpe_files(model_dir, tok: BpeTokenizer) -> None:
-    """tok's tokenizer.json and tokenizer_config.json in model_dir (as write_tokenizer_files)."""
-    from .tokenizer import write_files
-
-    write_files(
-        model_dir,
-        {
-            "tokenizer.json": hf_tokenizer_json(tok),
-            "tokenizer_config.json": json.dumps(hf_tokenizer_config(tok), indent=2) + "\n",
-        },
-    )

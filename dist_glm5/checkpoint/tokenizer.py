@@ -169,6 +169,11 @@ class ByteTokenizer:
             run = bytearray()
         return "".join(out) + run.decode("utf-8", errors="replace")
 
+    def hf_files(self) -> dict[str, str]:
+        """tokenizer.json and tokenizer_config.json of this tokenizer, in writing order."""
+        cfg = json.dumps(hf_tokenizer_config(self), indent=2) + "\n"
+        return {"tokenizer.json": hf_tokenizer_json(self), "tokenizer_config.json": cfg}
+
 
 class HFTokenizer:
     def __init__(self, path: Path):
@@ -217,12 +222,10 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(sorted(out.items()))
 
 
-def hf_tokenizer_json(space_runs: int = 0, chat_tags: bool = False, space_unit: int = 0) -> str:
-    """tokenizer.json (Hugging Face tokenizers) equal to ByteTokenizer(space_runs, chat_tags,
-    space_unit): ids and text alike."""
+def hf_tokenizer_json(bt: ByteTokenizer) -> str:
+    """tokenizer.json (Hugging Face tokenizers) equal to bt: ids and text alike."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    bt = ByteTokenizer(space_runs, chat_tags, space_unit)
     uni = _bytes_to_unicode()
     vocab = {ch: b for b, ch in uni.items()}
     specials = [bt.SPECIAL[i] for i in sorted(bt.SPECIAL)]
@@ -251,9 +254,8 @@ def hf_tokenizer_json(space_runs: int = 0, chat_tags: bool = False, space_unit: 
     return tok.to_str(pretty=True) + "\n"
 
 
-def hf_tokenizer_config(space_runs: int = 0, chat_tags: bool = False, space_unit: int = 0) -> dict:
+def hf_tokenizer_config(bt: ByteTokenizer) -> dict:
     """tokenizer_config.json: transformers' fast tokenizer over tokenizer.json, and our marker."""
-    bt = ByteTokenizer(space_runs, chat_tags, space_unit)
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         MARKER: BYTE_TOKENIZER,
@@ -263,35 +265,20 @@ def hf_tokenizer_config(space_runs: int = 0, chat_tags: bool = False, space_unit
         "split_special_tokens": True,  # "<eos>" in a text is its 5 bytes, as ByteTokenizer has it
         "clean_up_tokenization_spaces": False,
     }
-    if space_runs:
-        cfg[RUNS_KEY] = space_runs
-    if chat_tags:
+    if bt.space_runs:
+        cfg[RUNS_KEY] = bt.space_runs
+    if bt.chat_tags:
         cfg[TAGS_KEY] = True
-    if space_unit:
-        cfg[UNIT_KEY] = space_unit
+    if bt.space_unit:
+        cfg[UNIT_KEY] = bt.space_unit
     return cfg
 
 
-def write_tokenizer_files(
-    model_dir: str | Path, space_runs: int = 0, chat_tags: bool = False, space_unit: int = 0
-):
-    """The byte tokenizer's files in model_dir: tokenizer.json and tokenizer_config.json (each
-    replaced atomically; tokenizer.json first, so a reader never finds the new config alone)."""
-    files = {
-        "tokenizer.json": hf_tokenizer_json(space_runs, chat_tags, space_unit),
-        "tokenizer_config.json": json.dumps(
-            hf_tokenizer_config(space_runs, chat_tags, space_unit), indent=2
-        )
-        + "\n",
-    }
-    write_files(model_dir, files)
-
-
-def write_files(model_dir: str | Path, files: dict[str, str]) -> None:
-    """Each file replaced atomically, in order (tokenizer.json first: a reader never finds a
-    new config alone)."""
+def write_tokenizer_files(model_dir: str | Path, tok: ByteTokenizer | None = None) -> None:
+    """tok's files in model_dir (default: bytes): tokenizer.json and tokenizer_config.json, each
+    replaced atomically, tokenizer.json first (a reader never finds a new config alone)."""
     d = Path(model_dir)
-    for name, text in files.items():
+    for name, text in (tok or ByteTokenizer()).hf_files().items():
         tmp = d / f".{name}.tmp{os.getpid()}"
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, d / name)

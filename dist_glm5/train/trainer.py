@@ -1577,7 +1577,6 @@ def export_state(out: Path, dst: Path, seed: int) -> int:
 def export(tr: Trainer, dst: Path) -> None:
     """The shipped checkpoint: config.json, the byte tokenizer (ours, and as transformers'
     tokenizer.json), bf16 weights (the router in fp32: both runtimes keep it there)."""
-    from dist_glm5.checkpoint.bpe import write_bpe_files
     from dist_glm5.checkpoint.safetensors_io import save_streaming
     from dist_glm5.checkpoint.tokenizer import write_tokenizer_files
 
@@ -1587,10 +1586,7 @@ def export(tr: Trainer, dst: Path) -> None:
     sd = {k: v.float() if k.endswith(fp32) else v.to(torch.bfloat16) for k, v in sd.items()}
     raw = train_config(tr.tok, tr.model.config.kv_lora_rank)
     (dst / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    if isinstance(tr.tok, BpeTokenizer):
-        write_bpe_files(dst, tr.tok)
-    else:
-        write_tokenizer_files(dst, tr.tok.space_runs, tr.tok.chat_tags, tr.tok.space_unit)
+    write_tokenizer_files(dst, tr.tok)
     save_streaming(dst / "model.safetensors", sd, metadata={"format": "pt"})
     log.info("exported %d tensors to %s", len(sd), dst)
     rep = {"heldout_loss_test_slice": heldout_loss(dst), "test_slice": TEST_SLICE}
