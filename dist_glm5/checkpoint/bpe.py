@@ -30,7 +30,6 @@ from .tokenizer import (
     _bytes_to_unicode,
 )
 
-VOCAB_KEY = "dist_glm5_bpe_vocab"
 _WS = " \t\n\r\x0b\x0c"  # what the pieces treat as blanks
 
 
@@ -61,6 +60,19 @@ def pieces(data: bytes) -> list[bytes]:
     return [m.group(0) for m in PIECES.finditer(data)]
 
 
+def merge_pair(s: list[bytes], p: tuple[bytes, bytes]) -> list[bytes]:
+    """s with every occurrence of the pair p merged, left to right."""
+    out, j = [], 0
+    while j < len(s):
+        if j + 1 < len(s) and (s[j], s[j + 1]) == p:
+            out.append(p[0] + p[1])
+            j += 2
+        else:
+            out.append(s[j])
+            j += 1
+    return out
+
+
 def train_merges(data: bytes, n_tokens: int) -> list[tuple[bytes, bytes]]:
     """BPE merges learnt on data's pieces until they make n_tokens new tokens: each step merges
     the most frequent adjacent pair (ties: the smaller bytes first, so a run is reproducible).
@@ -82,23 +94,14 @@ def train_merges(data: bytes, n_tokens: int) -> list[tuple[bytes, bytes]]:
         if -n != pair_n.get(p, 0) or n == 0:
             continue  # a stale count: the pair's current one is in the heap too
         merges.append(p)
-        new = p[0] + p[1]
-        made.add(new)
+        made.add(p[0] + p[1])
         touched = set()
         for i in where.pop(p, ()):
             s, f = seqs[i], freq[i]
             for q in zip(s, s[1:], strict=False):
                 pair_n[q] -= f
                 touched.add(q)
-            out, j = [], 0
-            while j < len(s):
-                if j + 1 < len(s) and (s[j], s[j + 1]) == p:
-                    out.append(new)
-                    j += 2
-                else:
-                    out.append(s[j])
-                    j += 1
-            seqs[i] = out
+            seqs[i] = out = merge_pair(s, p)
             for q in zip(out, out[1:], strict=False):
                 pair_n[q] += f
                 touched.add(q)
@@ -114,11 +117,11 @@ class BpeTokenizer(ByteTokenizer):
     """ByteTokenizer's ids (bytes, specials, chat tags) and merged pieces after them."""
 
     def __init__(self, merges: list[tuple[bytes, bytes]]) -> None:
-        super().__init__(chat_tags=True)
         self.merge_list = [(bytes(a), bytes(b)) for a, b in merges]
+        self.merged = list(dict.fromkeys(a + b for a, b in self.merge_list))  # new ids' bytes
+        super().__init__(chat_tags=True)
         self.rank = {p: r for r, p in enumerate(self.merge_list)}
         self.first_merged_id = FIRST_RUN_ID + len(self.tags)
-        self.merged = list(dict.fromkeys(a + b for a, b in self.merge_list))
         self._piece_id = {t: self.first_merged_id + i for i, t in enumerate(self.merged)}
         self._piece_id.update({bytes([b]): b for b in range(256)})
         self.vocab_size = self.first_merged_id + len(self.merged)
@@ -138,7 +141,7 @@ class BpeTokenizer(ByteTokenizer):
         return {"tokenizer.json": hf_tokenizer_json(self), "tokenizer_config.json": cfg}
 
     def token_bytes(self) -> list[bytes]:
-        return super().token_bytes() + list(getattr(self, "merged", []))
+        return super().token_bytes() + self.merged
 
     def _piece(self, w: bytes) -> list[int]:
         """One piece's ids: its pairs merged lowest rank first, every occurrence left to right."""
@@ -151,15 +154,7 @@ class BpeTokenizer(ByteTokenizer):
             best = min((r for r in ranks if r is not None), default=None)
             if best is None:
                 break
-            p, out, j = self.merge_list[best], [], 0
-            while j < len(s):
-                if j + 1 < len(s) and (s[j], s[j + 1]) == p:
-                    out.append(p[0] + p[1])
-                    j += 2
-                else:
-                    out.append(s[j])
-                    j += 1
-            s = out
+            s = merge_pair(s, self.merge_list[best])
         ids = [self._piece_id[t] for t in s]
         if len(self._cache) < 1 << 20:
             self._cache[w] = ids
@@ -264,7 +259,6 @@ def hf_tokenizer_config(tok: BpeTokenizer) -> dict:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         MARKER: BPE_TOKENIZER,
-        VOCAB_KEY: tok.vocab_size,
         "bos_token": tok.SPECIAL[tok.bos_id],
         "eos_token": tok.SPECIAL[tok.eos_id],
         "pad_token": tok.SPECIAL[tok.pad_id],
