@@ -173,3 +173,71 @@ def test_a_bpe_run_takes_no_other_vocabulary_flags():
 
     with pytest.raises(ValueError, match="--bpe is a vocabulary of its own"):
         RunShape(space_unit=4, bpe=2048)
+
+
+# ---- a model with this vocabulary, served -------------------------------------------------------
+@pytest.fixture(scope="module")
+def bpe_server(tok, tmp_path_factory):
+    """The random model's architecture with tok's vocabulary, random weights, behind the API."""
+    import json
+
+    from runtime_util import coordinator
+    from test_api_tools import start_server
+
+    from dist_glm5.checkpoint.default_model import CONFIG_PATH, random_weights
+    from dist_glm5.checkpoint.safetensors_io import save_streaming
+    from dist_glm5.engine.config import CacheConfig
+    from dist_glm5.engine.loop import EngineLoop
+    from dist_glm5.launch.api.engine_request import ModelInfo
+    from dist_glm5.model.config import ModelConfig
+
+    d = tmp_path_factory.mktemp("bpe-model")
+    raw = dict(json.loads(CONFIG_PATH.read_text()), vocab_size=tok.vocab_size)
+    (d / "config.json").write_text(json.dumps(raw))
+    write_tokenizer_files(d, tok)
+    save_streaming(d / "model.safetensors", random_weights(ModelConfig.from_hf(raw), 5))
+    c = coordinator(d, cache=CacheConfig(256), max_model_len=1024)
+    loop = EngineLoop(c)
+    srv = start_server(loop, ModelInfo.from_model_dir(d, "bpe", 1024, tok.vocab_size, c.tokenizer))
+    yield srv
+    srv.stop()
+    srv.client.close()
+    loop.close()
+
+
+def test_a_bpe_model_serves_calls_text_and_logprobs(bpe_server, tok):
+    import json
+
+    openai = require("openai")
+    oc = openai.OpenAI(base_url=bpe_server.url + "/v1", api_key="none", max_retries=0)
+    fn = {
+        "name": "wx",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 6}, "days": {"type": "integer"}},
+            "required": ["city", "days"],
+        },
+    }
+    r = oc.chat.completions.create(
+        model="bpe",
+        messages=[{"role": "user", "content": "weather?"}],
+        tools=[{"type": "function", "function": fn}],
+        tool_choice={"type": "function", "function": {"name": "wx"}},
+        max_tokens=64,
+        temperature=0,
+    )
+    call = r.choices[0].message.tool_calls[0].function
+    assert r.choices[0].finish_reason == "tool_calls" and call.name == "wx"
+    args = json.loads(call.arguments)
+    assert set(args) == {"city", "days"} and len(args["city"]) <= 6 and type(args["days"]) is int
+    kw = dict(model="bpe", prompt="def f(x):\n    return", max_tokens=24, temperature=0)
+    c = oc.completions.create(**kw)
+    assert c.usage.completion_tokens == 24 and c.choices[0].text
+    streamed = "".join(x.choices[0].text for x in oc.completions.create(**kw, stream=True))
+    assert streamed == c.choices[0].text
+    # chat logprobs' bytes are each id's own (a piece may hold part of a character)
+    r = oc.chat.completions.create(
+        model="bpe", messages=[{"role": "user", "content": "hi"}], max_tokens=24, logprobs=True
+    )
+    got = b"".join(bytes(e.bytes) for e in r.choices[0].logprobs.content)
+    assert got.decode("utf-8", "replace") == r.choices[0].message.content
