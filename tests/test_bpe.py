@@ -214,7 +214,10 @@ def test_a_bpe_model_serves_calls_text_and_logprobs(bpe_server, tok):
         "name": "wx",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 6}, "days": {"type": "integer"}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 6},
+                "days": {"type": "integer", "maximum": 9},
+            },
             "required": ["city", "days"],
         },
     }

@@ -956,9 +956,9 @@ def test_a_bpe_run_exports_its_tokenizer_and_resumes_only_as_itself(tmp_path):
 
 @pytest.mark.parametrize("mix", ["base", "long"])
 def test_bpe_batches_are_full_rows_whose_induction_keys_hold_the_next_id(mix):
-    from dist_glm5.checkpoint.bpe import corpus_bpe
+    from dist_glm5.train.corpus import bpe
 
-    tok = corpus_bpe(400)
+    tok = bpe(400)
     data = td.Data(seed=5, reindent=True, tok=tok, inner_spaces=2)
     ids, induction, _ = data.batch(step=7, seq=512, batch=8, mix=mix)
     assert ids.shape == induction.shape == (8, 512) and int(ids.max()) < 400

@@ -19,7 +19,6 @@ import heapq
 import json
 import re
 from collections import Counter
-from functools import lru_cache
 
 from .tokenizer import (
     BPE_TOKENIZER,
@@ -191,19 +190,6 @@ class BpeTokenizer(ByteTokenizer):
                     at = m.end()
             i = j
         return out, starts
-
-
-@lru_cache(maxsize=4)
-def corpus_bpe(vocab_size: int) -> BpeTokenizer:
-    """The vocabulary of vocab_size ids learnt on the training split's code (as it is on disk:
-    the same for every run's corpus flags)."""
-    from dist_glm5.train import corpus
-
-    first = FIRST_RUN_ID + len(CHAT_TAGS)
-    if vocab_size <= first:
-        raise ValueError(f"a BPE vocabulary needs more than {first} ids (bytes, specials, tags)")
-    text = b"\n".join(b for _, b in corpus.load_split("train"))
-    return BpeTokenizer(train_merges(text, vocab_size - first))
 
 
 def hf_tokenizer_json(tok: BpeTokenizer) -> str:

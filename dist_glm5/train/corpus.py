@@ -19,6 +19,7 @@ The prompt ends after "[key 4821: "; the answer is "q7x2m9".
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -270,3 +271,17 @@ def repeat_training_doc(rng: random.Random, code: bytes, n: int) -> tuple[bytes,
             a = rng.randrange(0, max(1, len(code) - 64))
             doc.add(b" " + code[a : a + rng.randint(0, 64)] + b"\n")
     return bytes(doc.data), doc.src
+
+
+@functools.lru_cache(maxsize=4)
+def bpe(vocab_size: int):
+    """The BPE vocabulary of vocab_size ids (checkpoint/bpe.py) learnt on the training split's
+    code as it is on disk: the same for every run's corpus flags, and for a resume."""
+    from dist_glm5.checkpoint.bpe import BpeTokenizer, train_merges
+    from dist_glm5.checkpoint.tokenizer import CHAT_TAGS, FIRST_RUN_ID
+
+    first = FIRST_RUN_ID + len(CHAT_TAGS)
+    if vocab_size <= first:
+        raise ValueError(f"a BPE vocabulary needs more than {first} ids (bytes, specials, tags)")
+    text = b"\n".join(b for _, b in load_split("train"))
+    return BpeTokenizer(train_merges(text, vocab_size - first))

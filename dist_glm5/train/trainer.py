@@ -1520,9 +1520,9 @@ class RunShape:
 
     def tokenizer(self) -> ByteTokenizer:
         if self.bpe:
-            from dist_glm5.checkpoint.bpe import corpus_bpe
+            from .corpus import bpe
 
-            return corpus_bpe(self.bpe)
+            return bpe(self.bpe)
         return ByteTokenizer(self.space_runs, self.chat_tags, self.space_unit)
 
     def trainer(self, seed: int, line_heads: bool = False, copy_direct: float = 0.0) -> Trainer:
