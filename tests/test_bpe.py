@@ -216,7 +216,7 @@ def test_a_bpe_model_serves_calls_text_and_logprobs(bpe_server, tok):
             "type": "object",
             "properties": {
                 "city": {"type": "string", "maxLength": 6},
-                "days": {"type": "integer", "maximum": 9},
+                "days": {"type": "integer", "minimum": 0, "maximum": 9},
             },
             "required": ["city", "days"],
         },
