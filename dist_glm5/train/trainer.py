@@ -1099,9 +1099,9 @@ class Data:
         return n + n // 2 if self.tok.merges else n
 
     def fit(self, rng: random.Random, build, n: int):
-        """build(rng, n_bytes)'s document at the most bytes that merge to at most n ids (a
-        needle document asks its needles at the end: cut, it would not). The rng is replayed
-        from the same state for each try, so a row stays a function of the seed and step."""
+        """build(n_bytes)'s document (drawn from rng) at the most bytes that merge to at most n
+        ids (a needle document asks its needles at the end: cut, it would not). The rng is
+        replayed from the same state for each try, so a row stays a function of seed and step."""
         state, nb = rng.getstate(), 3 * n
         for _ in range(6):
             rng.setstate(state)
