@@ -73,6 +73,14 @@ def register(p: argparse.ArgumentParser) -> None:
         "before and at most 16 (what the column head counts; off: the committed recipe)",
     )
     p.add_argument(
+        "--code-share",
+        type=float,
+        default=0.0,
+        help="the plain code's share of the base and long mixes (the copying documents, needles, "
+        "copies and repeats, scaled down to make room; the chats keep theirs; 0: the committed "
+        "recipe's 0.25)",
+    )
+    p.add_argument(
         "--inner-spaces",
         type=int,
         default=0,
@@ -215,5 +223,6 @@ def run(args: argparse.Namespace) -> int:
         copy_direct_on=args.copy_direct_on,
         draft_greedy=args.draft_greedy,
         unloop_grammar=args.unloop_grammar,
+        code_share=args.code_share,
     )
     return 0

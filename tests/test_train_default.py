@@ -355,6 +355,20 @@ def test_base_extra_lengthens_the_base_phase_and_moves_the_later_ones():
     assert td.phase_of(plan[-1].end - 1, plan).train == "draft"
 
 
+def test_code_share_scales_the_copying_documents_and_keeps_the_chats():
+    assert td.code_mixes(0.0) is td.MIXES
+    mixes = td.code_mixes(0.45)
+    assert mixes["drill"] == td.MIXES["drill"]
+    for name in ("base", "long"):
+        old, new = td.MIXES[name], mixes[name]
+        assert new["chat"] == old["chat"]
+        assert 1.0 - sum(new.values()) == pytest.approx(0.45)  # the rest of a mix is code
+        ratios = [new[k] / old[k] for k in ("needle", "copy", "repeat")]
+        assert ratios == pytest.approx([ratios[0]] * 3) and ratios[0] < 1.0
+    with pytest.raises(ValueError, match="between its own 0.25 and 0.65"):
+        td.Data(0, code_share=0.7)  # before the corpus loads
+
+
 def _loop_marks_by_regex(text: bytes, start: int) -> list[bool]:
     """Oracle: every tandem repeat found by a backreference regex (a phrase of 1..PERIOD_MAX
     bytes that follows itself back to back), its bytes past the first max(p, LOOP_MIN) after

@@ -316,6 +316,29 @@ MIXES = {
     "base": {"needle": 0.25, "copy": 0.1, "repeat": 0.05, "chat": 0.35},
     "long": {"needle": 0.3, "copy": 0.1, "repeat": 0.05, "chat": 0.3},
 }
+COPYING = ("needle", "copy", "repeat")  # the documents that teach copying
+
+
+def code_mixes(code_share: float = 0.0) -> dict:
+    """MIXES with the plain code of the base and long mixes at code_share: their copying
+    documents (COPYING) scaled down to make room, the chats kept (0: MIXES, the committed recipe;
+    the drill phase, where the supervised heads form, keeps its mix). A 3-hour run sees about a
+    quarter of its text as code (session 10); the copying documents are 40-45% of these mixes."""
+    if not code_share:
+        return MIXES
+    out = dict(MIXES)
+    for name in ("base", "long"):
+        f = MIXES[name]
+        copying = sum(f[k] for k in COPYING)
+        room = 1.0 - f["chat"]  # code + copying
+        if not room - copying <= code_share < room:
+            raise ValueError(
+                f"code share {code_share} for the {name} mix: between its own "
+                f"{room - copying:.2f} and {room:.2f} (the chats keep {f['chat']})"
+            )
+        scale = (room - code_share) / copying
+        out[name] = {**f, **{k: f[k] * scale for k in COPYING}}
+    return out
 
 
 # ---- the model -------------------------------------------------------------------------------
@@ -1037,8 +1060,11 @@ class Data:
         reindent: bool = False,
         tok: ByteTokenizer | None = None,
         inner_spaces: int = 0,
+        code_share: float = 0.0,
     ):
         from . import chat_corpus, corpus
+
+        self.mixes = code_mixes(code_share)  # checked before the corpus loads
 
         self.corpus, self.chat = corpus, chat_corpus
         self.tok = tok or ByteTokenizer()  # rows of its ids (bytes, or runs and tags merged)
@@ -1059,7 +1085,7 @@ class Data:
     def row(self, rng: random.Random, n: int, mix: str) -> tuple[list[int], list[int], list[bool]]:
         """(token ids, induction target per byte: the key head 0 of INDUCTION_LAYER should read, -1
         where the byte is not inside a repeat, whether the id is an assistant's (chat rows))."""
-        f, u = MIXES[mix], rng.random()
+        f, u = self.mixes[mix], rng.random()
         src = None
         m = self.row_bytes(n)  # bytes enough for n ids once merged
         if u < f["needle"]:
@@ -1336,6 +1362,7 @@ def train(
     copy_direct_on: str = "all",
     draft_greedy: bool = False,
     unloop_grammar: bool = False,
+    code_share: float = 0.0,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1361,7 +1388,8 @@ def train(
     it on when it resumes); unloop_grammar: the unloop phase continues its chat prompts under
     the grammar each reply would be served with, and pushes down empty values and repeated keys
     besides loops (Data.unloop_batch, unloop.value_marks; off: the committed recipe; data, like
-    draft_greedy)."""
+    draft_greedy); code_share: the plain code's share of the base and long mixes (code_mixes;
+    0: the committed recipe; data)."""
     if copy_direct_on not in ("all", "docs"):
         raise ValueError(f"copy_direct_on is 'all' or 'docs', not {copy_direct_on!r}")
     from tqdm import tqdm
@@ -1374,7 +1402,7 @@ def train(
     offsets = {len(OFFSETS): OFFSETS, len(OFFSETS_FAR): OFFSETS_FAR}[offset_heads]
     shape = RunShape(space_runs, chat_tags, offsets, kv_lora_rank, match_head, space_unit, bpe)
     tr = shape.trainer(seed, line_heads, copy_direct)
-    data = Data(seed, reindent, tr.tok, inner_spaces)
+    data = Data(seed, reindent, tr.tok, inner_spaces, code_share)
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
     state_path = out / "state.pt"
     step = resume(tr, opt, state_path, shape) if state_path.exists() else 0
