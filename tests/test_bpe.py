@@ -244,3 +244,22 @@ def test_a_bpe_model_serves_calls_text_and_logprobs(bpe_server, tok):
     )
     got = b"".join(bytes(e.bytes) for e in r.choices[0].logprobs.content)
     assert got.decode("utf-8", "replace") == r.choices[0].message.content
+
+
+def test_a_needle_question_ends_where_a_piece_ends(tok):
+    """bench quality asks `[key 4821:` and the answer is ` tayk45`: the question's ids are the
+    first ids of question + answer (asked with the space, a BPE model would read ` ` where its
+    training read ` t`, a piece it never saw split)."""
+    from dist_glm5.bench.quality import needle_prompts
+
+    assert tok.encode(" t")[0] == tok.encode(" tayk45")[0] != tok.encode(" ")[0]  # the control
+    split = 0
+    for kind in ("code", "prose"):
+        asks, answers = needle_prompts(1024, kind, seed=7)
+        for ask, answer in zip(asks, answers):
+            assert ask.endswith(b":") and answer.startswith(" ")
+            ids = tok.encode_bytes(ask)
+            assert tok.encode_bytes(ask + answer.encode())[: len(ids)] == ids
+            spaced = tok.encode_bytes(ask + b" ")
+            split += tok.encode_bytes(ask + answer.encode())[: len(spaced)] != spaced
+    assert split  # the old question (ending in the space) splits some answer's first piece
