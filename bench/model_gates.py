@@ -160,16 +160,27 @@ def longest_repeat(text: str) -> int:
     return best
 
 
-def longest_line_repeat(text: str) -> int:
-    """The most times a non-blank line follows itself (p4u's `        return the path.` three
-    times and more): a loop of lines, which longest_repeat's words on one line do not see. A
-    line the budget cut short counts when it is a prefix of the line before it."""
-    lines, best, run = text.split("\n"), 1, 1
-    for i in range(1, len(lines)):
-        prev, line = lines[i - 1], lines[i]
-        cut = i == len(lines) - 1 and prev.startswith(line)
-        run = run + 1 if line.strip() and (line == prev or cut) else 1
-        best = max(best, run)
+def longest_line_repeat(text: str, period_max: int = 4) -> int:
+    """The most times a block of 1..period_max lines, not all blank, follows itself back to back
+    (p4u's `        return the path.` three times and more; v2's `if self._alk(self):` and its
+    body, two lines, at step 2,700): a loop of lines, which longest_repeat's words on one line
+    do not see. A block the budget cut short counts when its lines are the block's, the last one
+    a non-blank prefix of the block's."""
+    lines, best = text.split("\n"), 1
+    n = len(lines)
+    for p in range(1, period_max + 1):
+        for i in range(n - p + 1):
+            block = lines[i : i + p]
+            if not any(line.strip() for line in block):
+                continue
+            reps, j = 1, i + p
+            while lines[j : j + p] == block:
+                reps, j = reps + 1, j + p
+            rest = lines[j:]  # the text's end, when shorter than a block: a cut repeat?
+            k = len(rest)
+            if 0 < k <= p and rest[:-1] == block[: k - 1] and rest[-1].strip():
+                reps += block[k - 1].startswith(rest[-1])
+            best = max(best, reps)
     return best
 
 

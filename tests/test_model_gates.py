@@ -44,6 +44,19 @@ def test_code_check_counts_the_repeat():
     assert r["longest_repeat"] == 4 and r["distinct_names"] == 2
 
 
+def test_line_repeat_counts_blocks_of_lines_and_a_cut_last_repeat():
+    from dist_glm5.bench.model_gates import longest_line_repeat
+
+    body = "        if self._alk(self):\n            self._alk(self)\n"
+    assert longest_line_repeat(body * 2 + "        if self._alk(self):\n            self") == 3
+    assert longest_line_repeat(body * 2 + "        if self._a") == 3  # cut in its first line
+    assert longest_line_repeat("    x = 1\n" * 3 + "    x") == 4  # one line, as before
+    assert longest_line_repeat("    x = 1\n    y = 2\n    x = 1\n    z = 3\n") == 1
+    assert longest_line_repeat("\n\n\n\n    x = 1") == 1  # blank lines are no loop
+    text = "def f(a):\n    return a\n\n\ndef g(b):\n    return b\n"
+    assert longest_line_repeat(text) == 1 and code_check(text)["longest_repeat"] == 1
+
+
 def test_heldout_prompts_take_every_texts_opening_then_later_windows():
     from dist_glm5.bench.quality import heldout_prompts
 
