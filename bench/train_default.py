@@ -180,7 +180,7 @@ def register(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dist_glm5.train.trainer import export_state, train
+    from dist_glm5.train.trainer import code_mixes, export_state, train
 
     logging.basicConfig(level=logging.INFO)
     if args.export_only:
@@ -196,6 +196,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "--copy-direct-on docs chooses the rows of --copy-direct's share: give both"
         )
+    try:
+        code_mixes(args.code_share)
+    except ValueError as e:
+        raise SystemExit(f"--code-share: {e}") from None
     train(
         Path(args.out),
         steps=args.steps,

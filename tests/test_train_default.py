@@ -369,6 +369,19 @@ def test_code_share_scales_the_copying_documents_and_keeps_the_chats():
         td.Data(0, code_share=0.7)  # before the corpus loads
 
 
+def test_train_default_refuses_a_code_share_its_mixes_cannot_hold(tmp_path):
+    import argparse
+
+    from dist_glm5.bench import train_default
+
+    p = argparse.ArgumentParser()
+    train_default.register(p)
+    args = p.parse_args(["--out", str(tmp_path / "run"), "--code-share", "0.9"])
+    with pytest.raises(SystemExit, match="--code-share: code share 0.9 for the base mix"):
+        train_default.run(args)
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
 def _loop_marks_by_regex(text: bytes, start: int) -> list[bool]:
     """Oracle: every tandem repeat found by a backreference regex (a phrase of 1..PERIOD_MAX
     bytes that follows itself back to back), its bytes past the first max(p, LOOP_MIN) after
