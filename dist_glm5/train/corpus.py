@@ -14,7 +14,9 @@ local stdlib.
 Needles: a key and a value hidden in filler, asked for at the end with the same prefix, so that
 answering is copying what followed the earlier occurrence of the prefix:
     ... filler [key 4821: q7x2m9] filler ... [key 4821: q7x2m9]
-The prompt ends after "[key 4821: "; the answer is "q7x2m9".
+Needle.query ends after "[key 4821: " (the CI needle test asks so; the answer is "q7x2m9").
+`bench quality` asks "[key 4821:" and takes " q7x2m9": with a BPE vocabulary a question ending in
+the space would split the piece (" q") the training rows hold whole.
 """
 
 from __future__ import annotations

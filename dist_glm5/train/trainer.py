@@ -1065,7 +1065,6 @@ class Data:
         from . import chat_corpus, corpus
 
         self.mixes = code_mixes(code_share)  # checked before the corpus loads
-
         self.corpus, self.chat = corpus, chat_corpus
         self.tok = tok or ByteTokenizer()  # rows of its ids (bytes, or runs and tags merged)
         files = corpus.load_split("train")
