@@ -81,6 +81,14 @@ def register(p: argparse.ArgumentParser) -> None:
         "recipe's 0.25)",
     )
     p.add_argument(
+        "--simple-code",
+        type=float,
+        default=0.0,
+        help="the share (0 to 1) of the plain code rows that are generated simple modules "
+        "(dist_glm5/train/simple_code.py: functions and classes in the common idioms) instead "
+        "of stdlib windows (0: the committed recipe)",
+    )
+    p.add_argument(
         "--inner-spaces",
         type=int,
         default=0,
@@ -196,6 +204,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "--copy-direct-on docs chooses the rows of --copy-direct's share: give both"
         )
+    if not 0.0 <= args.simple_code <= 1.0:
+        raise SystemExit(
+            f"--simple-code is a share of the plain code rows, 0 to 1; got {args.simple_code}"
+        )
     try:
         code_mixes(args.code_share)
     except ValueError as e:
@@ -228,5 +240,6 @@ def run(args: argparse.Namespace) -> int:
         draft_greedy=args.draft_greedy,
         unloop_grammar=args.unloop_grammar,
         code_share=args.code_share,
+        simple_code=args.simple_code,
     )
     return 0

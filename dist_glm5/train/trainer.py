@@ -84,7 +84,7 @@ import torch.nn.functional as F
 from dist_glm5.checkpoint.bpe import BpeTokenizer
 from dist_glm5.checkpoint.tokenizer import FIRST_RUN_ID, ByteTokenizer
 
-from . import unloop
+from . import simple_code, unloop
 from .structure import N_JSON, N_TAG, structure_targets
 
 log = logging.getLogger(__name__)
@@ -1061,10 +1061,16 @@ class Data:
         tok: ByteTokenizer | None = None,
         inner_spaces: int = 0,
         code_share: float = 0.0,
+        simple_code: float = 0.0,
     ):
         from . import chat_corpus, corpus
 
         self.mixes = code_mixes(code_share)  # checked before the corpus loads
+        if not 0.0 <= simple_code <= 1.0:
+            raise ValueError(
+                f"simple_code is a share of the plain code rows, 0 to 1; got {simple_code}"
+            )
+        self.simple_code = simple_code  # the share of plain code rows from simple_code.module
         self.corpus, self.chat = corpus, chat_corpus
         self.tok = tok or ByteTokenizer()  # rows of its ids (bytes, or runs and tags merged)
         files = corpus.load_split("train")
@@ -1107,6 +1113,8 @@ class Data:
         elif u < f["needle"] + f["copy"] + f["repeat"] + f["chat"]:
             ids, src, reply = self.chat.chat_row(rng, self.words, m, self.text)  # <eos> in ids
             return self._row(ids, src, reply, n)
+        elif self.simple_code and rng.random() < self.simple_code:
+            doc = simple_code.module(rng, m)
         else:
             doc = self.window(rng, m)
         src = list(src or []) + [-1] * (len(doc) - len(src or []))
@@ -1362,6 +1370,7 @@ def train(
     draft_greedy: bool = False,
     unloop_grammar: bool = False,
     code_share: float = 0.0,
+    simple_code: float = 0.0,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1388,7 +1397,8 @@ def train(
     the grammar each reply would be served with, and pushes down empty values and repeated keys
     besides loops (Data.unloop_batch, unloop.value_marks; off: the committed recipe; data, like
     draft_greedy); code_share: the plain code's share of the base and long mixes (code_mixes;
-    0: the committed recipe; data)."""
+    0: the committed recipe; data); simple_code: the share of the plain code rows that are
+    generated modules (simple_code.module; 0: the committed recipe; data)."""
     if copy_direct_on not in ("all", "docs"):
         raise ValueError(f"copy_direct_on is 'all' or 'docs', not {copy_direct_on!r}")
     from tqdm import tqdm
@@ -1401,7 +1411,7 @@ def train(
     offsets = {len(OFFSETS): OFFSETS, len(OFFSETS_FAR): OFFSETS_FAR}[offset_heads]
     shape = RunShape(space_runs, chat_tags, offsets, kv_lora_rank, match_head, space_unit, bpe)
     tr = shape.trainer(seed, line_heads, copy_direct)
-    data = Data(seed, reindent, tr.tok, inner_spaces, code_share)
+    data = Data(seed, reindent, tr.tok, inner_spaces, code_share, simple_code)
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
     state_path = out / "state.pt"
     step = resume(tr, opt, state_path, shape) if state_path.exists() else 0
