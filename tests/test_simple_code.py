@@ -63,16 +63,3 @@ def test_the_same_seed_gives_the_same_module():
 def test_data_refuses_a_simple_code_share_out_of_range():
     with pytest.raises(ValueError, match="simple_code is a share of the plain code rows"):
         td.Data(0, simple_code=1.5)  # before the corpus loads
-
-
-def test_train_default_refuses_a_simple_code_share_out_of_range(tmp_path):
-    import argparse
-
-    from dist_glm5.bench import train_default
-
-    p = argparse.ArgumentParser()
-    train_default.register(p)
-    args = p.parse_args(["--out", str(tmp_path / "run"), "--simple-code", "-0.1"])
-    with pytest.raises(SystemExit, match="--simple-code is a share of the plain code rows"):
-        train_default.run(args)
-    assert not (tmp_path / "run").exists()

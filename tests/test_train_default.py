@@ -369,15 +369,22 @@ def test_code_share_scales_the_copying_documents_and_keeps_the_chats():
         td.Data(0, code_share=0.7)  # before the corpus loads
 
 
-def test_train_default_refuses_a_code_share_its_mixes_cannot_hold(tmp_path):
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--code-share", "0.9", "--code-share: code share 0.9 for the base mix"),
+        ("--simple-code", "-0.1", "--simple-code is a share of the plain code rows"),
+    ],
+)
+def test_train_default_refuses_a_data_share_out_of_range(tmp_path, flag, value, message):
     import argparse
 
     from dist_glm5.bench import train_default
 
     p = argparse.ArgumentParser()
     train_default.register(p)
-    args = p.parse_args(["--out", str(tmp_path / "run"), "--code-share", "0.9"])
-    with pytest.raises(SystemExit, match="--code-share: code share 0.9 for the base mix"):
+    args = p.parse_args(["--out", str(tmp_path / "run"), flag, value])
+    with pytest.raises(SystemExit, match=message):
         train_default.run(args)
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
