@@ -272,12 +272,14 @@ def module(rng: random.Random, n_bytes: int, cut: bool = True) -> bytes:
     imports = ["import os", "import re", "import sys", "import json", "import logging"]
     m.lines += sorted(rng.sample(imports, rng.randrange(1, 4)))
     m.has_os = "import os" in m.lines
-    text = ""
-    while len(text) < n_bytes:
+    size = sum(len(line) + 1 for line in m.lines)  # the text's length so far (ASCII)
+    while size < n_bytes:
+        start = len(m.lines)
         m.lines += ["", ""]
         if rng.random() < 0.25:
             m.klass()
         else:
             m.function()
-        text = "\n".join(m.lines) + "\n"
-    return text.encode()[:n_bytes] if cut else text.encode()
+        size += sum(len(line) + 1 for line in m.lines[start:])
+    text = ("\n".join(m.lines) + "\n").encode()
+    return text[:n_bytes] if cut else text
