@@ -89,6 +89,13 @@ def register(p: argparse.ArgumentParser) -> None:
         "of stdlib windows (0: the committed recipe)",
     )
     p.add_argument(
+        "--relative-paths",
+        action="store_true",
+        help="the chats' path values as `reports/city.txt`, not `/reports/city.txt` (a leading "
+        '"/" began a tenth of all free values, so greedy began every value with it; off: the '
+        "committed recipe)",
+    )
+    p.add_argument(
         "--inner-spaces",
         type=int,
         default=0,
@@ -241,5 +248,6 @@ def run(args: argparse.Namespace) -> int:
         unloop_grammar=args.unloop_grammar,
         code_share=args.code_share,
         simple_code=args.simple_code,
+        relative_paths=args.relative_paths,
     )
     return 0

@@ -49,16 +49,21 @@ class Words:
     """Lowercase identifiers of the training code, most frequent first (names, keys, values)."""
 
     idents: tuple[str, ...]
+    # paths in free strings as `reports/city.txt`, not `/reports/city.txt`: the leading "/" began
+    # a tenth of all free values, more than any word or name, so greedy began every value with it
+    # (v3's served JSON: `{"speed":"/report.txt","report":"/report.txt",...` to the budget's end)
+    relative_paths: bool = False
 
     @classmethod
-    def from_text(cls, text: bytes, n: int = 3000) -> Words:
+    def from_text(cls, text: bytes, n: int = 3000, relative_paths: bool = False) -> Words:
         found = re.findall(
             rb"(?<![A-Za-z0-9_])[a-z][a-z0-9]{2,9}(?![A-Za-z0-9_])", text[:8_000_000]
         )
         top = [w.decode() for w, _ in Counter(found).most_common(n)]
         skip = {"def", "self", "the", "and", "for"}
         hexy = re.compile(r"[ux][0-9a-f]+")  # escapes such as u2502, x89: not names
-        return cls(tuple(w for w in top if w not in skip and not hexy.fullmatch(w)))
+        words = tuple(w for w in top if w not in skip and not hexy.fullmatch(w))
+        return cls(words, relative_paths)
 
     def word(self, rng: random.Random) -> str:
         """An English noun half the time, an identifier of the code otherwise."""
@@ -76,7 +81,8 @@ def free_string(rng: random.Random, w: Words) -> str:
     if u < 0.8:
         return " ".join(w.word(rng) for _ in range(rng.randint(2, 4)))
     if u < 0.9:
-        return "/" + "/".join(w.word(rng) for _ in range(rng.randint(1, 3))) + ".txt"
+        path = "/".join(w.word(rng) for _ in range(rng.randint(1, 3))) + ".txt"
+        return path if w.relative_paths else "/" + path
     return f"{rng.choice(NAMES)} {w.word(rng)}"
 
 

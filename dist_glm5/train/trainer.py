@@ -1062,6 +1062,7 @@ class Data:
         inner_spaces: int = 0,
         code_share: float = 0.0,
         simple_code: float = 0.0,
+        relative_paths: bool = False,
     ):
         from . import chat_corpus, corpus
 
@@ -1080,7 +1081,7 @@ class Data:
             files = [(r, corpus.squeeze_inner_spaces(b, inner_spaces)) for r, b in files]
         self.text = b"\n".join(b for _, b in files)
         self.seed = seed
-        self.words = chat_corpus.Words.from_text(self.text)
+        self.words = chat_corpus.Words.from_text(self.text, relative_paths=relative_paths)
         log.info("train corpus: %d files, %.1f MB", len(files), len(self.text) / 1e6)
 
     def window(self, rng: random.Random, n: int) -> bytes:
@@ -1371,6 +1372,7 @@ def train(
     unloop_grammar: bool = False,
     code_share: float = 0.0,
     simple_code: float = 0.0,
+    relative_paths: bool = False,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1398,7 +1400,9 @@ def train(
     besides loops (Data.unloop_batch, unloop.value_marks; off: the committed recipe; data, like
     draft_greedy); code_share: the plain code's share of the base and long mixes (code_mixes;
     0: the committed recipe; data); simple_code: the share of the plain code rows that are
-    generated modules (simple_code.module; 0: the committed recipe; data)."""
+    generated modules (simple_code.module; 0: the committed recipe; data); relative_paths: the
+    chats' path values without their leading "/" (chat_corpus.Words; off: the committed recipe;
+    data)."""
     if copy_direct_on not in ("all", "docs"):
         raise ValueError(f"copy_direct_on is 'all' or 'docs', not {copy_direct_on!r}")
     from tqdm import tqdm
@@ -1411,7 +1415,7 @@ def train(
     offsets = {len(OFFSETS): OFFSETS, len(OFFSETS_FAR): OFFSETS_FAR}[offset_heads]
     shape = RunShape(space_runs, chat_tags, offsets, kv_lora_rank, match_head, space_unit, bpe)
     tr = shape.trainer(seed, line_heads, copy_direct)
-    data = Data(seed, reindent, tr.tok, inner_spaces, code_share, simple_code)
+    data = Data(seed, reindent, tr.tok, inner_spaces, code_share, simple_code, relative_paths)
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
     state_path = out / "state.pt"
     step = resume(tr, opt, state_path, shape) if state_path.exists() else 0
