@@ -96,6 +96,13 @@ def register(p: argparse.ArgumentParser) -> None:
         "committed recipe)",
     )
     p.add_argument(
+        "--copy-pieces",
+        action="store_true",
+        help="with --bpe: the repeat documents' random strings hold the vocabulary's merged word "
+        "pieces besides characters, so that merged pieces are copied in training (off: the "
+        "committed recipe)",
+    )
+    p.add_argument(
         "--inner-spaces",
         type=int,
         default=0,
@@ -215,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"--simple-code is a share of the plain code rows, 0 to 1; got {args.simple_code}"
         )
+    if args.copy_pieces and not args.bpe:
+        raise SystemExit("--copy-pieces draws from a BPE vocabulary's pieces: give --bpe N")
     try:
         code_mixes(args.code_share)
     except ValueError as e:
@@ -249,5 +258,6 @@ def run(args: argparse.Namespace) -> int:
         code_share=args.code_share,
         simple_code=args.simple_code,
         relative_paths=args.relative_paths,
+        copy_pieces=args.copy_pieces,
     )
     return 0

@@ -370,20 +370,21 @@ def test_code_share_scales_the_copying_documents_and_keeps_the_chats():
 
 
 @pytest.mark.parametrize(
-    "flag, value, message",
+    "argv, message",
     [
-        ("--code-share", "0.9", "--code-share: code share 0.9 for the base mix"),
-        ("--simple-code", "-0.1", "--simple-code is a share of the plain code rows"),
+        (["--code-share", "0.9"], "--code-share: code share 0.9 for the base mix"),
+        (["--simple-code", "-0.1"], "--simple-code is a share of the plain code rows"),
+        (["--copy-pieces"], "--copy-pieces draws from a BPE vocabulary's pieces: give --bpe N"),
     ],
 )
-def test_train_default_refuses_a_data_share_out_of_range(tmp_path, flag, value, message):
+def test_train_default_refuses_bad_data_flags(tmp_path, argv, message):
     import argparse
 
     from dist_glm5.bench import train_default
 
     p = argparse.ArgumentParser()
     train_default.register(p)
-    args = p.parse_args(["--out", str(tmp_path / "run"), flag, value])
+    args = p.parse_args(["--out", str(tmp_path / "run"), *argv])
     with pytest.raises(SystemExit, match=message):
         train_default.run(args)
     assert not (tmp_path / "run").exists()  # refused before anything is written
@@ -1010,3 +1011,31 @@ def test_bpe_batches_are_full_rows_whose_induction_keys_hold_the_next_id(mix):
     same = (ids[b, k] == ids[b, t + 1]) & (ids[b, k - 1] == ids[b, t])
     # a repeat may be cut into other pieces than its source at its edges: most keys still match
     assert same.float().mean() > 0.8
+
+
+def test_copy_pieces_put_merged_pieces_into_the_repeats():
+    """Random characters rarely merge, so the repeats copied almost only single-character ids
+    (the control); with a BPE's word pieces among the units most of their ids are merged pieces,
+    and every repeat still holds its first saying's bytes where the source map points."""
+
+    from dist_glm5.checkpoint.bpe import BpeTokenizer, train_merges
+    from dist_glm5.train import corpus
+
+    code = b"\n".join(b for _, b in corpus.load_split("train"))[:400_000]
+    tok = BpeTokenizer(train_merges(code, 300))
+    pieces = corpus.copy_pieces(tok.merged)
+    assert pieces and all(p.isalnum() or b"_" in p for p in pieces)
+    assert not set(pieces) & {b"    ", b" if", b"):"}  # no blanks or punctuation
+    share = {}
+    for use in ((), pieces):
+        doc, src = corpus.repeat_training_doc(random.Random(5), b"", 6000, use)
+        for t, s in enumerate(src):
+            assert s < 0 or (s < t and doc[s] == doc[t])
+        ids = tok.encode_bytes(bytes(doc))
+        share[bool(use)] = sum(i >= tok.first_merged_id for i in ids) / len(ids)
+    assert share[False] < 0.1 and share[True] > 0.3, share
+
+
+def test_copy_pieces_need_a_bpe_vocabulary():
+    with pytest.raises(ValueError, match="BPE vocabulary"):
+        td.Data(0, copy_pieces=True)

@@ -1063,6 +1063,7 @@ class Data:
         code_share: float = 0.0,
         simple_code: float = 0.0,
         relative_paths: bool = False,
+        copy_pieces: bool = False,
     ):
         from . import chat_corpus, corpus
 
@@ -1082,6 +1083,10 @@ class Data:
         self.text = b"\n".join(b for _, b in files)
         self.seed = seed
         self.words = chat_corpus.Words.from_text(self.text, relative_paths=relative_paths)
+        if copy_pieces and not self.bpe:
+            raise ValueError("copy_pieces draws the repeats from a BPE vocabulary's pieces: bpe")
+        # the repeats' strings hold merged word pieces too (corpus.repeat_training_doc)
+        self.repeat_pieces = corpus.copy_pieces(self.tok.merged) if copy_pieces else ()
         log.info("train corpus: %d files, %.1f MB", len(files), len(self.text) / 1e6)
 
     def window(self, rng: random.Random, n: int) -> bytes:
@@ -1110,7 +1115,8 @@ class Data:
             doc, src = self.corpus.copy_training_doc(rng, text, rng.choice([1, 2, 3]))
         elif u < f["needle"] + f["copy"] + f["repeat"]:
             nb = m if self.bpe else n
-            doc, src = self.corpus.repeat_training_doc(rng, self.window(rng, nb), nb)
+            window = self.window(rng, nb)
+            doc, src = self.corpus.repeat_training_doc(rng, window, nb, self.repeat_pieces)
         elif u < f["needle"] + f["copy"] + f["repeat"] + f["chat"]:
             ids, src, reply = self.chat.chat_row(rng, self.words, m, self.text)  # <eos> in ids
             return self._row(ids, src, reply, n)
@@ -1373,6 +1379,7 @@ def train(
     code_share: float = 0.0,
     simple_code: float = 0.0,
     relative_paths: bool = False,
+    copy_pieces: bool = False,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1402,6 +1409,8 @@ def train(
     0: the committed recipe; data); simple_code: the share of the plain code rows that are
     generated modules (simple_code.module; 0: the committed recipe; data); relative_paths: the
     chats' path values without their leading "/" (chat_corpus.Words; off: the committed recipe;
+    data); copy_pieces: the repeat documents' strings hold the BPE vocabulary's merged word
+    pieces besides characters (corpus.repeat_training_doc; bpe only; off: the committed recipe;
     data)."""
     if copy_direct_on not in ("all", "docs"):
         raise ValueError(f"copy_direct_on is 'all' or 'docs', not {copy_direct_on!r}")
@@ -1415,7 +1424,9 @@ def train(
     offsets = {len(OFFSETS): OFFSETS, len(OFFSETS_FAR): OFFSETS_FAR}[offset_heads]
     shape = RunShape(space_runs, chat_tags, offsets, kv_lora_rank, match_head, space_unit, bpe)
     tr = shape.trainer(seed, line_heads, copy_direct)
-    data = Data(seed, reindent, tr.tok, inner_spaces, code_share, simple_code, relative_paths)
+    data = Data(
+        seed, reindent, tr.tok, inner_spaces, code_share, simple_code, relative_paths, copy_pieces
+    )
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
     state_path = out / "state.pt"
     step = resume(tr, opt, state_path, shape) if state_path.exists() else 0
