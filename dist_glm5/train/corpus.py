@@ -259,7 +259,7 @@ def copy_training_doc(rng: random.Random, text: bytes, n_copies: int) -> tuple[b
     return bytes(out), src
 
 
-REPEAT_CHARS = VALUE_CHARS + "ABCDEFGHJKLMNPQRSTUVWXYZ_-"
+REPEAT_UNITS = tuple(c.encode() for c in VALUE_CHARS + "ABCDEFGHJKLMNPQRSTUVWXYZ_-")
 
 
 def repeat_training_doc(
@@ -270,7 +270,7 @@ def repeat_training_doc(
     (a BPE vocabulary's word pieces, copy_pieces) a string is random pieces and characters, so
     that merged pieces are copied too: random characters rarely merge, and BPE models copied
     single characters at 0.9+ but merged letter pieces (`if`, `ut`) at 0.01-0.16 (v3, v4)."""
-    units = [c.encode() for c in REPEAT_CHARS] + list(pieces)
+    units = REPEAT_UNITS + pieces
     doc = Doc()
     while len(doc.data) < n:
         size, s = rng.randint(8, 48), b""
