@@ -1075,6 +1075,10 @@ class Data:
         self.simple_code = simple_code  # the share of plain code rows from simple_code.module
         self.corpus, self.chat = corpus, chat_corpus
         self.tok = tok or ByteTokenizer()  # rows of its ids (bytes, or runs and tags merged)
+        if copy_pieces and not self.bpe:  # checked before the corpus loads
+            raise ValueError("copy_pieces draws the repeats from a BPE vocabulary's pieces: bpe")
+        # the repeats' strings hold merged word pieces too (corpus.repeat_training_doc)
+        self.repeat_pieces = corpus.copy_pieces(self.tok.merged) if copy_pieces else ()
         files = corpus.load_split("train")
         if reindent:  # the code's indentation as the column read-outs count it (corpus.reindent)
             files = [(r, corpus.reindent(b, cap=COLUMN_WINDOW)) for r, b in files]
@@ -1083,10 +1087,6 @@ class Data:
         self.text = b"\n".join(b for _, b in files)
         self.seed = seed
         self.words = chat_corpus.Words.from_text(self.text, relative_paths=relative_paths)
-        if copy_pieces and not self.bpe:
-            raise ValueError("copy_pieces draws the repeats from a BPE vocabulary's pieces: bpe")
-        # the repeats' strings hold merged word pieces too (corpus.repeat_training_doc)
-        self.repeat_pieces = corpus.copy_pieces(self.tok.merged) if copy_pieces else ()
         log.info("train corpus: %d files, %.1f MB", len(files), len(self.text) / 1e6)
 
     def window(self, rng: random.Random, n: int) -> bytes:
