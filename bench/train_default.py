@@ -103,6 +103,13 @@ def register(p: argparse.ArgumentParser) -> None:
         "committed recipe)",
     )
     p.add_argument(
+        "--key-copy",
+        action="store_true",
+        help="train the induction head's value path to name every key's own id, at every "
+        "position (BPE models' heads found a needle's merged pieces but named them first for a "
+        "quarter of them; off: the committed recipe)",
+    )
+    p.add_argument(
         "--inner-spaces",
         type=int,
         default=0,
@@ -259,5 +266,6 @@ def run(args: argparse.Namespace) -> int:
         simple_code=args.simple_code,
         relative_paths=args.relative_paths,
         copy_pieces=args.copy_pieces,
+        key_copy=args.key_copy,
     )
     return 0

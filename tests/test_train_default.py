@@ -969,6 +969,67 @@ def test_direct_copy_loss_is_the_induction_heads_share_of_the_models_logits():
     assert torch.allclose(rows, (0.3 * oracle + 0.7 * normalised + normalised) / 2, atol=1e-5)
 
 
+# ---- the copy's value path on every key (--key-copy) ---------------------------------------------
+def test_key_copy_loss_names_each_keys_own_id_through_the_induction_heads_value():
+    """key_copy_loss is the cross-entropy, at every position, of head 0 of INDUCTION_LAYER's
+    value for that key, mapped through the head's o_proj columns, the final norm and lm_head,
+    against the key's id. The value is checked against the head itself: transformers' head-0
+    output (o_proj's input) is its attention weights times those values."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 256, (2, 48), generator=g)
+    cfg = td.hf_config(TINY)
+    tr = td.Trainer(cfg, seed=0)
+    att = tr._layer(td.INDUCTION_LAYER).self_attn
+    seen = {}
+    att.o_proj.register_forward_pre_hook(lambda mod, a: seen.__setitem__("o_in", a[0].detach()))
+    att.kv_b_proj.register_forward_pre_hook(lambda mod, a: seen.__setitem__("lat", a[0].detach()))
+    tr.losses(ids)
+    vd, nope = cfg.v_head_dim, cfg.qk_nope_head_dim
+    # head 0's value, from the latent by kv_b_proj's rows for head 0 (a head's rows: [nope | v])
+    lat = seen["lat"].reshape(*ids.shape, -1)  # [B, S, kv_lora_rank] (transformers: [B, 1, S, r])
+    v0 = lat @ att.kv_b_proj.weight[nope : nope + vd].T  # [B, S, vd]
+    probs = tr.heads[td.INDUCTION_LAYER][:, 0].detach()  # [B, S, S]
+    assert torch.allclose(probs @ v0, seen["o_in"][..., :vd], atol=1e-5)
+    w = tr.model.model.norm.weight
+    x = v0 @ att.o_proj.weight[:, :vd].T
+    normed = w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    lo = normed @ tr.model.lm_head.weight.T
+    oracle = torch.nn.functional.cross_entropy(lo.reshape(-1, lo.shape[-1]), ids.reshape(-1))
+    loss = tr.key_copy_loss(ids)
+    assert torch.allclose(loss, oracle, atol=1e-5)
+    loss.backward()
+    assert att.kv_b_proj.weight.grad[nope : nope + vd].any()  # head 0's value rows
+    assert not att.kv_b_proj.weight.grad[nope + vd :].any()  # the other heads' rows: not
+    assert not att.o_proj.weight.grad[:, vd:].any()
+    assert "key_copy" not in tr.attention_supervision(ids, torch.full_like(ids, -1))
+    tr.key_copy = True  # train(..., key_copy=True): attention_supervision adds it
+    both = tr.attention_supervision(ids, torch.full_like(ids, -1))
+    assert torch.allclose(both["key_copy"], oracle, atol=1e-5)
+
+
+def test_key_copy_trains_and_logs_its_loss(tmp_path):
+    td.train(tmp_path / "on", steps=2, seed=3, key_copy=True)
+    td.train(tmp_path / "off", steps=2, seed=3)
+    on, off = ([json.loads(x) for x in (tmp_path / r / "train.log").open()] for r in ("on", "off"))
+    assert all(r["key_copy"] > 0 for r in on) and all("key_copy" not in r for r in off)
+    assert on[0]["lm"] == off[0]["lm"]  # the same first batch and weights: a loss, not data
+
+
+@pytest.mark.parametrize("argv", [["--key-copy"]])
+def test_key_copy_flag_reaches_train(argv, monkeypatch, tmp_path):
+    import argparse
+
+    from bench import train_default as cli
+
+    got = {}
+    monkeypatch.setattr(td, "train", lambda *a, **k: got.update(k))
+    p = argparse.ArgumentParser()
+    cli.register(p)
+    args = p.parse_args(["--out", str(tmp_path), *argv])
+    args.func(args)
+    assert got["key_copy"] is True
+
+
 # ---- a BPE vocabulary (--bpe N) ------------------------------------------------------------------
 def test_a_bpe_run_exports_its_tokenizer_and_resumes_only_as_itself(tmp_path):
     from transformers import AutoTokenizer

@@ -552,6 +552,9 @@ class Trainer:
         for i in (OFFSET_LAYER, INDUCTION_LAYER):
             layers[i].self_attn.register_forward_hook(self._keep_head(i))
             layers[i].self_attn.o_proj.register_forward_hook(self._keep_value(i))
+        self.key_copy = False  # train() sets it: attention_supervision adds key_copy_loss
+        self.kv: torch.Tensor | None = None  # INDUCTION_LAYER's kv_b_proj output, every key's
+        layers[INDUCTION_LAYER].self_attn.kv_b_proj.register_forward_hook(self._keep_kv)
         # training-only linear read-outs of the offset heads (not exported): each head's output
         # must name the byte it reads, so the induction head has keys to match (with run and tag
         # ids, those too)
@@ -627,6 +630,9 @@ class Trainer:
     def _keep_resid(self, mod, args):
         self.resid = args[0]  # [B, S, H], the last layer's output before the final norm
 
+    def _keep_kv(self, mod, args, out):
+        self.kv = out  # [B, S, heads * (qk_nope_head_dim + v_head_dim)], every key's
+
     def _keep_value(self, i):
         def hook(mod, args, out):
             self.values[i] = args[0]  # [B, S, heads * v_head_dim]
@@ -659,6 +665,8 @@ class Trainer:
             readout = readout + F.cross_entropy(lo.reshape(-1, n), byte)
         n_off = len(self.offsets)
         out = {"offset": offset / n_off, "readout": readout / n_off}
+        if self.key_copy:  # the copy's value path at every key (key_copy_loss)
+            out["key_copy"] = self.key_copy_loss(ids)
         if self.tok.space_ids:  # the column losses count bytes; a run id holds several
             out.update(dict.fromkeys(("window", "run", "indent"), w.sum() * 0.0))
         else:
@@ -746,6 +754,20 @@ class Trainer:
             if (indent >= 0).any()
             else lo_ind.sum() * 0.0,
         }
+
+    def key_copy_loss(self, ids: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of what head 0 of INDUCTION_LAYER would write from each key, in the
+        unembedding's terms (its value, its o_proj columns, the final norm, lm_head), against
+        that key's own id, at every position. The copy loss trains the same path only on the rows
+        a copy document supervises (attention_supervision): there the head's attention found a
+        needle's merged piece (`if`: 0.98) but its value named it first for a quarter of merged
+        pieces and for 93% of characters (v4, v5; docs/trained_default.md)."""
+        c = self.cfg
+        heads = self.kv.view(*ids.shape, -1, c.qk_nope_head_dim + c.v_head_dim)
+        v0 = heads[:, :, 0, c.qk_nope_head_dim :]  # [B, S, v_head_dim]: head 0's value
+        w_o = self._layer(INDUCTION_LAYER).self_attn.o_proj.weight[:, : c.v_head_dim]
+        lo = self.model.lm_head(self.model.model.norm(F.linear(v0, w_o)))
+        return F.cross_entropy(lo.reshape(-1, lo.shape[-1]), ids.reshape(-1))
 
     def structure_losses(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The structure read-outs (structure.py) from INDENT_LAYER's output of the last
@@ -1380,6 +1402,7 @@ def train(
     simple_code: float = 0.0,
     relative_paths: bool = False,
     copy_pieces: bool = False,
+    key_copy: bool = False,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1411,7 +1434,8 @@ def train(
     chats' path values without their leading "/" (chat_corpus.Words; off: the committed recipe;
     data); copy_pieces: the repeat documents' strings hold the BPE vocabulary's merged word
     pieces besides characters (corpus.repeat_training_doc; bpe only; off: the committed recipe;
-    data)."""
+    data); key_copy: add Trainer.key_copy_loss where the model trains with the supervision
+    (off: the committed recipe; a loss, not a shape, as copy_direct)."""
     if copy_direct_on not in ("all", "docs"):
         raise ValueError(f"copy_direct_on is 'all' or 'docs', not {copy_direct_on!r}")
     from tqdm import tqdm
@@ -1424,6 +1448,7 @@ def train(
     offsets = {len(OFFSETS): OFFSETS, len(OFFSETS_FAR): OFFSETS_FAR}[offset_heads]
     shape = RunShape(space_runs, chat_tags, offsets, kv_lora_rank, match_head, space_unit, bpe)
     tr = shape.trainer(seed, line_heads, copy_direct)
+    tr.key_copy = key_copy
     data = Data(
         seed, reindent, tr.tok, inner_spaces, code_share, simple_code, relative_paths, copy_pieces
     )
@@ -1474,6 +1499,7 @@ def train(
             loss = ls["lm"] + MTP_WEIGHT * mtp + ls["kl"] + sum(ls[k] for k in SUPERVISION)
             loss = loss + sum(ls[k] for k in LINE_LOSSES if k in ls)
             loss = loss + REPLY_WEIGHT * ls["reply"]
+            loss = loss + ls.get("key_copy", 0.0)
             if indent_weight:
                 ls["indent_lm"] = tr.indent_loss(ids)
                 loss = loss + indent_weight * ls["indent_lm"]
