@@ -631,7 +631,7 @@ class Trainer:
         self.resid = args[0]  # [B, S, H], the last layer's output before the final norm
 
     def _keep_kv(self, mod, args, out):
-        self.kv = out  # [B, S, heads * (qk_nope_head_dim + v_head_dim)], every key's
+        self.kv = out  # [B, 1, S, heads * (qk_nope_head_dim + v_head_dim)]: every key's
 
     def _keep_value(self, i):
         def hook(mod, args, out):
