@@ -683,7 +683,7 @@ class Trainer:
             w_o = att.o_proj.weight[:, : v0.shape[-1]]
             norm = self.model.model.norm
             r = self.resid[want] if self.copy_direct else None  # before norm() below replaces it
-            lo = self.model.lm_head(norm(F.linear(v0, w_o)))
+            lo = self._head0_logits(v0)
             copy = F.cross_entropy(lo, nxt[want], reduction="none")
             if self.copy_direct:
                 # what head 0 adds to the model's logits (the final norm is linear in its input
@@ -765,9 +765,14 @@ class Trainer:
         c = self.cfg
         heads = self.kv.view(*ids.shape, -1, c.qk_nope_head_dim + c.v_head_dim)
         v0 = heads[:, :, 0, c.qk_nope_head_dim :]  # [B, S, v_head_dim]: head 0's value
-        w_o = self._layer(INDUCTION_LAYER).self_attn.o_proj.weight[:, : c.v_head_dim]
-        lo = self.model.lm_head(self.model.model.norm(F.linear(v0, w_o)))
+        lo = self._head0_logits(v0)
         return F.cross_entropy(lo.reshape(-1, lo.shape[-1]), ids.reshape(-1))
+
+    def _head0_logits(self, v0: torch.Tensor) -> torch.Tensor:
+        """[..., v_head_dim] -> [..., vocab]: what head 0 of INDUCTION_LAYER writes, in the
+        unembedding's terms (its o_proj columns, the final norm on it alone, lm_head)."""
+        w_o = self._layer(INDUCTION_LAYER).self_attn.o_proj.weight[:, : self.cfg.v_head_dim]
+        return self.model.lm_head(self.model.model.norm(F.linear(v0, w_o)))
 
     def structure_losses(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The structure read-outs (structure.py) from INDENT_LAYER's output of the last
