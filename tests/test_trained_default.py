@@ -87,3 +87,38 @@ def test_heldout_loss_is_the_recorded_one(ours):
     assert abs(loss - RECORDED_HELDOUT_LOSS) <= 0.02 * RECORDED_HELDOUT_LOSS, (
         f"held-out loss {loss:.4f} vs {RECORDED_HELDOUT_LOSS:.4f} recorded at training time"
     )
+
+
+def test_shipped_tokenizer_files_are_what_we_write_and_transformers_reads_them(tmp_path):
+    """The shipped tokenizer.json/tokenizer_config.json are our writer's files for the vocabulary
+    they hold (bytes, or BPE merges), and transformers' AutoTokenizer on the shipped directory
+    encodes and decodes as our loader's tokenizer does."""
+    from conftest import require
+
+    from dist_glm5.checkpoint.tokenizer import write_tokenizer_files
+
+    tok = load_tokenizer(TRAINED_DIR)
+    write_tokenizer_files(tmp_path, tok)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert json.loads((tmp_path / name).read_text()) == json.loads(
+            (TRAINED_DIR / name).read_text()
+        ), name
+    cfg = json.loads((TRAINED_DIR / "config.json").read_text())
+    hf = require("transformers").AutoTokenizer.from_pretrained(TRAINED_DIR)
+    assert len(hf) == tok.vocab_size == cfg["vocab_size"]
+    assert (
+        (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id)
+        == (
+            tok.bos_id,
+            tok.eos_id,
+            tok.pad_id,
+        )
+        == (cfg["bos_token_id"], *cfg["eos_token_id"], cfg["pad_token_id"])
+    )
+    texts = [t["text"] for t in frozen_heldout()[:4]]
+    texts += ["", "  x  ", "naïve 日本語 😀", "<eos><|user|>hi<tool_call>f<arg_key>a</arg_key>"]
+    for text in texts:
+        ids = tok.encode(text)
+        assert hf.encode(text) == ids, text[:60]
+        for skip in (True, False):
+            assert hf.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip)
