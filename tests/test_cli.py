@@ -11,6 +11,9 @@ import sys
 
 import pytest
 
+from dist_glm5.checkpoint.default_model import ensure_default_model
+from dist_glm5.checkpoint.tokenizer import load_tokenizer
+
 
 def _run(*args, env=None):
     exe = shutil.which("launch") or None
@@ -34,7 +37,9 @@ def test_generate_json_on_embedded_model(default_model_dir):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["token_ids"]) == 6 and isinstance(out["text"], str)
-    assert out["usage"] == {"prompt_tokens": 12, "completion_tokens": 6}
+    # the prompt's ids in the shipped model's vocabulary (12 bytes; fewer with BPE pieces)
+    n = len(load_tokenizer(ensure_default_model()).encode("Hello, GLM-5"))
+    assert out["usage"] == {"prompt_tokens": n, "completion_tokens": 6}
 
 
 def test_prompt_ids_from_file_and_sampling_flags(tmp_path, default_model_dir):
