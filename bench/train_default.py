@@ -110,6 +110,23 @@ def register(p: argparse.ArgumentParser) -> None:
         "quarter of them; off: the committed recipe)",
     )
     p.add_argument(
+        "--needle-decoys",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N more needles in every needle document, never asked, whose values begin as an "
+        "asked one's and then differ, so that a copied answer follows its own needle past its "
+        "first pieces (v6 lost 16K code needles there; 0: the committed recipe)",
+    )
+    p.add_argument(
+        "--unloop-json",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N more prompts ending at a JSON reply in every unloop step (under json_object with "
+        "--unloop-grammar; v6's JSON replies repeated a key in 5 of 10; 0: the committed recipe)",
+    )
+    p.add_argument(
         "--inner-spaces",
         type=int,
         default=0,
@@ -231,6 +248,10 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.copy_pieces and not args.bpe:
         raise SystemExit("--copy-pieces draws from a BPE vocabulary's pieces: give --bpe N")
+    if args.needle_decoys < 0 or args.unloop_json < 0:
+        raise SystemExit("--needle-decoys and --unloop-json are counts: give 0 or more")
+    if args.unloop_json and not args.unloop:
+        raise SystemExit("--unloop-json adds prompts to the unloop phase: give --unloop N")
     try:
         code_mixes(args.code_share)
     except ValueError as e:
@@ -267,5 +288,7 @@ def run(args: argparse.Namespace) -> int:
         relative_paths=args.relative_paths,
         copy_pieces=args.copy_pieces,
         key_copy=args.key_copy,
+        needle_decoys=args.needle_decoys,
+        unloop_json=args.unloop_json,
     )
     return 0

@@ -375,6 +375,8 @@ def test_code_share_scales_the_copying_documents_and_keeps_the_chats():
         (["--code-share", "0.9"], "--code-share: code share 0.9 for the base mix"),
         (["--simple-code", "-0.1"], "--simple-code is a share of the plain code rows"),
         (["--copy-pieces"], "--copy-pieces draws from a BPE vocabulary's pieces: give --bpe N"),
+        (["--needle-decoys", "-1"], "--needle-decoys and --unloop-json are counts"),
+        (["--unloop-json", "2"], "--unloop-json adds prompts to the unloop phase: give --unloop N"),
     ],
 )
 def test_train_default_refuses_bad_data_flags(tmp_path, argv, message):
@@ -612,6 +614,7 @@ def _unloop_data(space_runs: int) -> td.Data:
         b"".join(b"def f%d(x):\n    return x + %d\n\n" % (i, i) for i in range(400)),
     )
     data.words = Words.from_text(data.text)
+    data.unloop_json = 0
     return data
 
 
@@ -1015,8 +1018,15 @@ def test_key_copy_trains_and_logs_its_loss(tmp_path):
     assert on[0]["lm"] == off[0]["lm"]  # the same first batch and weights: a loss, not data
 
 
-@pytest.mark.parametrize("argv", [["--key-copy"]])
-def test_key_copy_flag_reaches_train(argv, monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["--key-copy"], {"key_copy": True}),
+        (["--needle-decoys", "2", "--unloop", "300", "--unloop-json", "2"], {"needle_decoys": 2}),
+        (["--unloop", "300", "--unloop-json", "2"], {"unloop_json": 2, "needle_decoys": 0}),
+    ],
+)
+def test_data_and_loss_flags_reach_train(argv, want, monkeypatch, tmp_path):
     import argparse
 
     from bench import train_default as cli
@@ -1027,7 +1037,7 @@ def test_key_copy_flag_reaches_train(argv, monkeypatch, tmp_path):
     cli.register(p)
     args = p.parse_args(["--out", str(tmp_path), *argv])
     args.func(args)
-    assert got["key_copy"] is True
+    assert {k: got[k] for k in want} == want
 
 
 # ---- a BPE vocabulary (--bpe N) ------------------------------------------------------------------
@@ -1095,6 +1105,73 @@ def test_copy_pieces_put_merged_pieces_into_the_repeats():
         ids = tok.encode_bytes(bytes(doc))
         share[bool(use)] = sum(i >= tok.first_merged_id for i in ids) / len(ids)
     assert share[False] < 0.1 and share[True] > 0.3, share
+
+
+def test_unloop_json_adds_json_prompts_after_the_recipes_own():
+    """unloop_json=N: the committed recipe's prompts first, unchanged, then N more ending where
+    the assistant answers a JSON request, under json_object with the grammar."""
+    data = _unloop_data(0)
+    base, base_g = data.unloop_batch(5, grammar=True)
+    data.unloop_json = 2
+    more, more_g = data.unloop_batch(5, grammar=True)
+    assert more[: len(base)] == base and more_g[: len(base)] == base_g
+    assert len(more) == len(base) + 2 and {len(p) for p in more} == {unloop.PROMPT}
+    assert [g.kind for g in more_g[len(base) :]] == ["json_object"] * 2
+    assert more[-1] != more[-2]
+    assert data.unloop_batch(5)[1] == [None] * len(more)  # no grammar without the flag
+
+
+FILLER = b"".join(b"def f%d(x):\n    return x + %d\n" % (i, i) for i in range(300))
+
+
+def test_needle_docs_without_decoys_are_the_committed_recipes():
+    """Recorded from corpus.needle_training_doc before decoys existed (15 documents): a run
+    without --needle-decoys draws the same documents."""
+    import hashlib
+
+    from dist_glm5.train import corpus
+
+    h = hashlib.sha256()
+    for seed in range(5):
+        for k in (2, 3, 8):
+            doc, src = corpus.needle_training_doc(random.Random(seed), FILLER, k)
+            h.update(doc)
+            h.update(str(src).encode())
+    assert h.hexdigest() == "3f066f39694afdc667b6eb5d668ab265da1b7a4d5fa6f439d9121c93d7b26d5a"
+
+
+def test_needle_decoys_share_a_first_part_and_are_never_asked():
+    """Every decoy line's value begins as an asked needle's (1..4 characters) and differs at the
+    next; only the asked needles are asked, every answer byte repeats a byte of its own needle's
+    line, and the document keeps the filler's length."""
+    import os
+    import re
+
+    from dist_glm5.train import corpus
+
+    line = re.compile(rb"\[key (\d+): (\w+)\]")
+    for seed in range(20):
+        doc, src = corpus.needle_training_doc(random.Random(seed), FILLER, 3, decoys=2)
+        assert len(doc) <= len(FILLER) and doc.endswith(b"\n")
+        lines = doc.split(b"\n")[:-1]
+        asked = dict(line.fullmatch(x).groups() for x in lines[-3:])  # the questions, answered
+        placed = dict(m.groups() for x in lines[:-3] if (m := line.fullmatch(x)))
+        real = {k: v for k, v in placed.items() if k in asked}
+        fake = {k: v for k, v in placed.items() if k not in asked}
+        assert real == asked and len(fake) == 2
+        for v in fake.values():
+            assert any(
+                1 <= len(os.path.commonprefix([v, r])) <= 4 and len(v) == len(r)
+                for r in real.values()
+            ), (v, real)
+        start = len(doc) - sum(len(x) + 1 for x in lines[-3:])
+        for t in range(start, len(doc)):
+            if src[t] >= 0:  # from the value on, the answer's source is its own needle's line
+                at = doc.rfind(b"[key ", 0, src[t] + 1)
+                key = line.match(doc, at).group(1)
+                assert doc[src[t]] == doc[t] and key == line.match(
+                    doc, doc.rfind(b"[", 0, t)
+                ).group(1)
 
 
 def test_copy_pieces_need_a_bpe_vocabulary():

@@ -216,14 +216,35 @@ class Doc:
         return at
 
 
+def decoy_needles(rng: random.Random, needles: list[Needle], n: int) -> list[Needle]:
+    """n needles of other keys whose values begin as one of needles' does (1..4 characters) and
+    then differ: an answer copied past its first pieces must follow its own needle, as it must
+    in code, where a value's first pieces start many names (v6 copied ` sc` of ` sc5kzp` at 16K
+    bytes of code and then followed another ` sc`)."""
+    taken = {nd.key for nd in needles}
+    keys = rng.sample([k for k in range(1000, 10000) if str(k) not in taken], n)
+    out = []
+    for key in keys:
+        v = rng.choice(needles).value
+        k = rng.randint(1, min(4, len(v) - 1))
+        nxt = rng.choice([c for c in VALUE_CHARS if c != v[k]])
+        rest = "".join(rng.choice(VALUE_CHARS) for _ in range(len(v) - k - 1))
+        out.append(Needle(str(key), v[:k] + nxt + rest))
+    return out
+
+
 def needle_training_doc(
-    rng: random.Random, filler: bytes, n_needles: int = 3
+    rng: random.Random, filler: bytes, n_needles: int = 3, decoys: int = 0
 ) -> tuple[bytes, list[int]]:
     """A training document: needles in filler, then every needle asked and answered (random
     order), len(filler) bytes in all. The answers repeat their needle from the key on (the shared
-    "[key " prefix is not a repeat of any one needle)."""
-    needles = make_needles(rng, n_needles)
-    asked = needles[:]
+    "[key " prefix is not a repeat of any one needle). decoys: that many more needles, never
+    asked, whose values share a first part with an asked one's (decoy_needles)."""
+    asked = make_needles(rng, n_needles)
+    needles = asked[:]
+    if decoys:  # (without, the draws are the committed recipe's)
+        needles += decoy_needles(rng, asked, decoys)
+        rng.shuffle(needles)  # a decoy before or after its needle
     rng.shuffle(asked)
     # the needles and the answers fit in len(filler): the answers must not be cut off
     extra = sum(len(nd.line) + 2 for nd in needles) + sum(len(nd.line) + 1 for nd in asked) + 1

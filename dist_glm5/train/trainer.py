@@ -1091,6 +1091,8 @@ class Data:
         simple_code: float = 0.0,
         relative_paths: bool = False,
         copy_pieces: bool = False,
+        needle_decoys: int = 0,
+        unloop_json: int = 0,
     ):
         from . import chat_corpus, corpus
 
@@ -1106,6 +1108,12 @@ class Data:
             raise ValueError("copy_pieces draws the repeats from a BPE vocabulary's pieces: bpe")
         # the repeats' strings hold merged word pieces too (corpus.repeat_training_doc)
         self.repeat_pieces = corpus.copy_pieces(self.tok.merged) if copy_pieces else ()
+        if needle_decoys < 0 or unloop_json < 0:
+            raise ValueError(
+                f"needle_decoys, unloop_json: counts, not {needle_decoys}, {unloop_json}"
+            )
+        self.needle_decoys = needle_decoys  # never-asked needles per needle document
+        self.unloop_json = unloop_json  # more JSON prompts per unloop step (unloop_batch)
         files = corpus.load_split("train")
         if reindent:  # the code's indentation as the column read-outs count it (corpus.reindent)
             files = [(r, corpus.reindent(b, cap=COLUMN_WINDOW)) for r, b in files]
@@ -1134,7 +1142,7 @@ class Data:
                 else:
                     filler = self.corpus.prose_filler(rng, nb, classic=rng.random() < 0.3)
                 k = rng.choice([2, 3, 4, 6, 8])
-                return self.corpus.needle_training_doc(rng, filler, k)
+                return self.corpus.needle_training_doc(rng, filler, k, self.needle_decoys)
 
             doc, src = self.fit(rng, needles, n) if self.bpe else needles(n)
         elif u < f["needle"] + f["copy"]:
@@ -1195,7 +1203,8 @@ class Data:
         """unloop_prompts(step) and, with grammar, the grammar each one's reply would be served
         under (None for code and free replies; unloop.chat_prompt_grammar), every other chat
         prompt then ending at a JSON reply (unloop.json_prompt_grammar; else about 1 in 20 would).
-        Without grammar, no grammars (all None)."""
+        Without grammar, no grammars (all None). With unloop_json, that many more prompts end at
+        a JSON reply (held to json_object where the grammar is on)."""
         rng = random.Random(f"unloop:{self.seed}:{step}")
         n_code, n_chat = UNLOOP_ROWS
         code = [unloop.code_prompt(rng, self.text) for _ in range(n_code)]
@@ -1205,6 +1214,8 @@ class Data:
             )
             for i in range(n_chat)
         ]
+        # drawn after the committed recipe's prompts, which stay the same
+        chats += [unloop.json_prompt_grammar(rng, self.words) for _ in range(self.unloop_json)]
         prompts = code + [ids for ids, _ in chats]
         if self.tok.merges:  # the ids the model reads (a prompt then holds fewer than PROMPT)
             prompts = [self.tok.merge(p)[0] for p in prompts]
@@ -1408,6 +1419,8 @@ def train(
     relative_paths: bool = False,
     copy_pieces: bool = False,
     key_copy: bool = False,
+    needle_decoys: int = 0,
+    unloop_json: int = 0,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1440,7 +1453,10 @@ def train(
     data); copy_pieces: the repeat documents' strings hold the BPE vocabulary's merged word
     pieces besides characters (corpus.repeat_training_doc; bpe only; off: the committed recipe;
     data); key_copy: add Trainer.key_copy_loss where the model trains with the supervision
-    (off: the committed recipe; a loss, not a shape, as copy_direct)."""
+    (off: the committed recipe; a loss, not a shape, as copy_direct); needle_decoys: never-asked
+    needles per needle document whose values begin as an asked one's (corpus.decoy_needles; 0:
+    the committed recipe; data); unloop_json: more prompts ending at a JSON reply per unloop
+    step (Data.unloop_batch; 0: the committed recipe; data)."""
     if copy_direct_on not in ("all", "docs"):
         raise ValueError(f"copy_direct_on is 'all' or 'docs', not {copy_direct_on!r}")
     from tqdm import tqdm
@@ -1455,7 +1471,16 @@ def train(
     tr = shape.trainer(seed, line_heads, copy_direct)
     tr.key_copy = key_copy
     data = Data(
-        seed, reindent, tr.tok, inner_spaces, code_share, simple_code, relative_paths, copy_pieces
+        seed,
+        reindent,
+        tr.tok,
+        inner_spaces,
+        code_share,
+        simple_code,
+        relative_paths,
+        copy_pieces,
+        needle_decoys,
+        unloop_json,
     )
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
     state_path = out / "state.pt"
