@@ -1167,11 +1167,9 @@ def test_needle_decoys_share_a_first_part_and_are_never_asked():
         start = len(doc) - sum(len(x) + 1 for x in lines[-3:])
         for t in range(start, len(doc)):
             if src[t] >= 0:  # from the value on, the answer's source is its own needle's line
-                at = doc.rfind(b"[key ", 0, src[t] + 1)
-                key = line.match(doc, at).group(1)
-                assert doc[src[t]] == doc[t] and key == line.match(
-                    doc, doc.rfind(b"[", 0, t)
-                ).group(1)
+                source_key = line.match(doc, doc.rfind(b"[key ", 0, src[t] + 1)).group(1)
+                asked_key = line.match(doc, doc.rfind(b"[key ", 0, t)).group(1)
+                assert doc[src[t]] == doc[t] and source_key == asked_key
 
 
 def test_copy_pieces_need_a_bpe_vocabulary():

@@ -106,15 +106,9 @@ def test_shipped_tokenizer_files_are_what_we_write_and_transformers_reads_them(t
     cfg = json.loads((TRAINED_DIR / "config.json").read_text())
     hf = require("transformers").AutoTokenizer.from_pretrained(TRAINED_DIR)
     assert len(hf) == tok.vocab_size == cfg["vocab_size"]
-    assert (
-        (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id)
-        == (
-            tok.bos_id,
-            tok.eos_id,
-            tok.pad_id,
-        )
-        == (cfg["bos_token_id"], *cfg["eos_token_id"], cfg["pad_token_id"])
-    )
+    ids = (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id)
+    assert ids == (tok.bos_id, tok.eos_id, tok.pad_id)
+    assert ids == (cfg["bos_token_id"], *cfg["eos_token_id"], cfg["pad_token_id"])
     texts = [t["text"] for t in frozen_heldout()[:4]]
     texts += ["", "  x  ", "naïve 日本語 😀", "<eos><|user|>hi<tool_call>f<arg_key>a</arg_key>"]
     for text in texts:
