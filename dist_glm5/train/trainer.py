@@ -676,12 +676,9 @@ class Trainer:
         ind = -torch.log(a.squeeze(-1).clamp_min(1e-6))
         # what head 0 writes must name the byte it reads, in the unembedding's terms: its own
         # o_proj columns, the final norm and lm_head (the value path otherwise stays mute)
-        att = self._layer(INDUCTION_LAYER).self_attn
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)
         if want.any():
             v0 = self.values[INDUCTION_LAYER][want][:, : self.cfg.v_head_dim]  # repeats' rows only
-            w_o = att.o_proj.weight[:, : v0.shape[-1]]
-            norm = self.model.model.norm
             r = self.resid[want] if self.copy_direct else None  # before norm() below replaces it
             lo = self._head0_logits(v0)
             copy = F.cross_entropy(lo, nxt[want], reduction="none")
@@ -694,6 +691,8 @@ class Trainer:
                 # -3.5 against it (docs/trained_default.md, "The copy's size"). Below a share of
                 # 1 the rest stays on the normalised form: m2 (all of it direct) found every code
                 # needle and repeated a JSON object's keys
+                w_o = self._layer(INDUCTION_LAYER).self_attn.o_proj.weight[:, : v0.shape[-1]]
+                norm = self.model.model.norm
                 scale = torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
                 lo = self.model.lm_head(norm.weight * F.linear(v0, w_o) * scale.detach())
                 share = torch.full_like(copy, self.copy_direct)
