@@ -127,6 +127,13 @@ def register(p: argparse.ArgumentParser) -> None:
         "--unloop-grammar; v6's JSON replies repeated a key in 5 of 10; 0: the committed recipe)",
     )
     p.add_argument(
+        "--unloop-json-fresh",
+        action="store_true",
+        help="each --unloop-json prompt is a JSON request as a chat's first message, nothing "
+        "before it, as a client sends one (off: after 256 bytes of packed chats; v7's replies "
+        "to the gate's fresh chats looped in 10 of 10)",
+    )
+    p.add_argument(
         "--inner-spaces",
         type=int,
         default=0,
@@ -252,6 +259,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--needle-decoys and --unloop-json are counts: give 0 or more")
     if args.unloop_json and not args.unloop:
         raise SystemExit("--unloop-json adds prompts to the unloop phase: give --unloop N")
+    if args.unloop_json_fresh and not args.unloop_json:
+        raise SystemExit(
+            "--unloop-json-fresh says how --unloop-json's prompts begin: give --unloop-json N"
+        )
     try:
         code_mixes(args.code_share)
     except ValueError as e:
@@ -290,5 +301,6 @@ def run(args: argparse.Namespace) -> int:
         key_copy=args.key_copy,
         needle_decoys=args.needle_decoys,
         unloop_json=args.unloop_json,
+        unloop_json_fresh=args.unloop_json_fresh,
     )
     return 0

@@ -377,6 +377,7 @@ def test_code_share_scales_the_copying_documents_and_keeps_the_chats():
         (["--copy-pieces"], "--copy-pieces draws from a BPE vocabulary's pieces: give --bpe N"),
         (["--needle-decoys", "-1"], "--needle-decoys and --unloop-json are counts"),
         (["--unloop-json", "2"], "--unloop-json adds prompts to the unloop phase: give --unloop N"),
+        (["--unloop", "9", "--unloop-json-fresh"], "--unloop-json-fresh says how --unloop-json's"),
     ],
 )
 def test_train_default_refuses_bad_data_flags(tmp_path, argv, message):
@@ -614,7 +615,7 @@ def _unloop_data(space_runs: int) -> td.Data:
         b"".join(b"def f%d(x):\n    return x + %d\n\n" % (i, i) for i in range(400)),
     )
     data.words = Words.from_text(data.text)
-    data.unloop_json = 0
+    data.unloop_json, data.unloop_json_fresh = 0, False
     return data
 
 
@@ -1024,6 +1025,11 @@ def test_key_copy_trains_and_logs_its_loss(tmp_path):
         (["--key-copy"], {"key_copy": True}),
         (["--needle-decoys", "2", "--unloop", "300", "--unloop-json", "2"], {"needle_decoys": 2}),
         (["--unloop", "300", "--unloop-json", "2"], {"unloop_json": 2, "needle_decoys": 0}),
+        (
+            ["--unloop", "300", "--unloop-json", "2", "--unloop-json-fresh"],
+            {"unloop_json": 2, "unloop_json_fresh": True},
+        ),
+        (["--unloop", "300", "--unloop-json", "2"], {"unloop_json_fresh": False}),
     ],
 )
 def test_data_and_loss_flags_reach_train(argv, want, monkeypatch, tmp_path):
@@ -1119,6 +1125,26 @@ def test_unloop_json_adds_json_prompts_after_the_recipes_own():
     assert [g.kind for g in more_g[len(base) :]] == ["json_object"] * 2
     assert more[-1] != more[-2]
     assert data.unloop_batch(5)[1] == [None] * len(more)  # no grammar without the flag
+
+
+def test_unloop_json_fresh_prompts_are_what_the_server_renders_for_the_request():
+    """unloop_json_fresh: the extra prompts are a JSON request as a chat's first message, byte for
+    byte what the server renders for that one user message (byte_chat.simple_chat, as the gate
+    sends it), under json_object; the recipe's own prompts stay as they were."""
+    from dist_glm5.checkpoint.byte_chat import simple_chat
+
+    data = _unloop_data(0)
+    data.unloop_json = 2
+    packed, _ = data.unloop_batch(5, grammar=True)
+    data.unloop_json_fresh = True
+    fresh, fresh_g = data.unloop_batch(5, grammar=True)
+    assert fresh[:-2] == packed[:-2] and fresh[-2:] != packed[-2:]
+    assert [g.kind for g in fresh_g[-2:]] == ["json_object"] * 2
+    for ids in fresh[-2:]:
+        text = bytes(ids).decode()
+        request = text.removeprefix("<|user|>\n").removesuffix("\n<|assistant|>\n")
+        assert request != text and "<|" not in request
+        assert text == simple_chat([{"role": "user", "content": request}])
 
 
 FILLER = b"".join(b"def f%d(x):\n    return x + %d\n" % (i, i) for i in range(300))

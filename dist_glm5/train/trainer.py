@@ -1092,6 +1092,7 @@ class Data:
         copy_pieces: bool = False,
         needle_decoys: int = 0,
         unloop_json: int = 0,
+        unloop_json_fresh: bool = False,
     ):
         from . import chat_corpus, corpus
 
@@ -1113,6 +1114,7 @@ class Data:
             )
         self.needle_decoys = needle_decoys  # never-asked needles per needle document
         self.unloop_json = unloop_json  # more JSON prompts per unloop step (unloop_batch)
+        self.unloop_json_fresh = unloop_json_fresh  # ...each a chat's first message
         files = corpus.load_split("train")
         if reindent:  # the code's indentation as the column read-outs count it (corpus.reindent)
             files = [(r, corpus.reindent(b, cap=COLUMN_WINDOW)) for r, b in files]
@@ -1203,7 +1205,8 @@ class Data:
         under (None for code and free replies; unloop.chat_prompt_grammar), every other chat
         prompt then ending at a JSON reply (unloop.json_prompt_grammar; else about 1 in 20 would).
         Without grammar, no grammars (all None). With unloop_json, that many more prompts end at
-        a JSON reply (held to json_object where the grammar is on)."""
+        a JSON reply (held to json_object where the grammar is on); with unloop_json_fresh, each
+        is a chat's first message alone (unloop.json_prompt_fresh), not after packed chats."""
         rng = random.Random(f"unloop:{self.seed}:{step}")
         n_code, n_chat = UNLOOP_ROWS
         code = [unloop.code_prompt(rng, self.text) for _ in range(n_code)]
@@ -1214,7 +1217,8 @@ class Data:
             for i in range(n_chat)
         ]
         # drawn after the committed recipe's prompts, which stay the same
-        chats += [unloop.json_prompt_grammar(rng, self.words) for _ in range(self.unloop_json)]
+        more = unloop.json_prompt_fresh if self.unloop_json_fresh else unloop.json_prompt_grammar
+        chats += [more(rng, self.words) for _ in range(self.unloop_json)]
         prompts = code + [ids for ids, _ in chats]
         if self.tok.merges:  # the ids the model reads (a prompt then holds fewer than PROMPT)
             prompts = [self.tok.merge(p)[0] for p in prompts]
@@ -1420,6 +1424,7 @@ def train(
     key_copy: bool = False,
     needle_decoys: int = 0,
     unloop_json: int = 0,
+    unloop_json_fresh: bool = False,
 ) -> None:
     """Train (resuming from `out`/state.pt when it is there) to `steps` (default: every phase),
     logging one JSON line per step to `out`/train.log; with `export_to`, write the shipped
@@ -1455,7 +1460,8 @@ def train(
     (off: the committed recipe; a loss, not a shape, as copy_direct); needle_decoys: never-asked
     needles per needle document whose values begin as an asked one's (corpus.decoy_needles; 0:
     the committed recipe; data); unloop_json: more prompts ending at a JSON reply per unloop
-    step (Data.unloop_batch; 0: the committed recipe; data)."""
+    step (Data.unloop_batch; 0: the committed recipe; data); unloop_json_fresh: each of those a
+    chat's first message alone (off: after packed chats, as v7; data)."""
     if copy_direct_on not in ("all", "docs"):
         raise ValueError(f"copy_direct_on is 'all' or 'docs', not {copy_direct_on!r}")
     from tqdm import tqdm
@@ -1480,6 +1486,7 @@ def train(
         copy_pieces,
         needle_decoys,
         unloop_json,
+        unloop_json_fresh,
     )
     opt = torch.optim.AdamW(tr.param_groups(), lr=lr, betas=(0.9, 0.95))
     state_path = out / "state.pt"

@@ -121,6 +121,16 @@ def json_prompt_grammar(
     return doc.ids[s - n : s], GrammarSpec("json_object")
 
 
+def json_prompt_fresh(rng: random.Random, w: Words) -> tuple[list[int], GrammarSpec]:
+    """A request for JSON as a chat's first message, nothing before it (as a client sends one),
+    up to where the assistant answers, and json_object. json_prompt_grammar's come after packed
+    chats; v7's served replies to the gate's fresh chats looped in 10 of 10, after 256 bytes of
+    packed chats in 6 of 10."""
+    doc = ChatDoc()
+    json_chat(rng, w, doc)
+    return doc.ids[: doc.reply.index(True)], GrammarSpec("json_object")
+
+
 class GrammarMask(LogitsProcessor):
     """transformers' greedy decoding held to a grammar as the server holds it (a mask of the
     tokens it allows next): matcher, a sampling.grammar.GrammarMatcher; start, the prompt's
